@@ -1,0 +1,12 @@
+"""cp_softcap: context-parallel attention with tanh logit softcapping.
+
+    import cp_softcap as cps
+    out = cps.attention(q, k, v, softcap=50.0, causal=True)              # one device
+    attn = cps.CPAttention(cp_group, softcap=50.0, window=(4095, 0))      # context parallel
+"""
+from .api import attention
+from .selector import Selection, select
+from .spec import AttnSpec, make_spec
+
+__all__ = ["attention", "select", "Selection", "AttnSpec", "make_spec"]
+__version__ = "0.1.0"

@@ -1,0 +1,61 @@
+"""`attention`: the single-device, differentiable entry point. Same selector and kernel
+contract as the CP paths."""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .selector import select
+from .spec import AttnSpec, check_qkv, make_spec
+
+
+class _KernelAttention(torch.autograd.Function):
+    """One kernel call; softcap, scale and window live in ctx for the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernel, scale, softcap, window):
+        out, lse = kernel.forward(q, k, v, scale=scale, softcap=softcap, window=window)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernel, ctx.scale, ctx.softcap, ctx.window = kernel, scale, softcap, window
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dlse is not None and not torch.any(dlse != 0):
+            dlse = None
+        dq, dk, dv = ctx.kernel.backward(dout.contiguous(), q, k, v, out, lse, scale=ctx.scale,
+                                         softcap=ctx.softcap, window=ctx.window, dlse=dlse)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def spec_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap, causal, window, scale,
+             cp_size: int = 1, comm: str = "ring", return_lse: bool = False) -> AttnSpec:
+    needs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return make_spec(head_dim=q.shape[-1], head_dim_v=v.shape[-1], num_heads=q.shape[2],
+                     num_kv_heads=k.shape[2], dtype=q.dtype, device_type=q.device.type,
+                     softcap=softcap, causal=causal, window=window, scale=scale,
+                     needs_backward=needs_backward, cp_size=cp_size, comm=comm,
+                     return_lse=return_lse)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: Optional[float] = None,
+              causal: bool = False, window=None, scale: Optional[float] = None,
+              backend: str = "auto", return_lse: bool = False
+              ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Softcapped attention on one device.
+
+    q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (Hq % Hkv == 0; GQA is not expanded).
+    softcap: None/0.0 = off, else z = softcap * tanh(scale * q.k / softcap) before masking.
+    window: (left, right) or None; query i sees key j iff i - left <= j <= i + right, with queries
+    aligned to the END of the keys when Sq != Sk (flash-attn's bottom-right convention).
+    causal=True forces right = 0. Returns out [B, Sq, Hq, Dv] in q's dtype, and with
+    return_lse=True also lse [B, Hq, Sq] (float32; -inf for rows that see no key), differentiable.
+    """
+    check_qkv(q, k, v)
+    spec = spec_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
+                    return_lse=return_lse)
+    kernel = select(spec, backend).kernel
+    out, lse = _KernelAttention.apply(q, k, v, kernel, spec.scale, spec.softcap, spec.window)
+    return (out, lse) if return_lse else out

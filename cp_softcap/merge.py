@@ -1,0 +1,64 @@
+"""Merge partial attention results by LSE, in float32, safe for empty rows.
+
+For two disjoint key sets a, b of the same rows:
+    LSE = logaddexp(LSE_a, LSE_b);  O = exp(LSE_a - LSE) O_a + exp(LSE_b - LSE) O_b
+A partial with LSE = -inf (or +inf, flash-attn 2's marker for an empty row) contributes nothing.
+A row empty in every partial ends with out = 0, lse = -inf. No NaN can come out of -inf inputs.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+
+def clean_lse(lse: torch.Tensor) -> torch.Tensor:
+    """Map flash-attn 2's +inf (empty row) to -inf; other values unchanged."""
+    return torch.where(lse == float("inf"), torch.full_like(lse, float("-inf")), lse)
+
+
+def _weight(lse_part: torch.Tensor, lse_total: torch.Tensor) -> torch.Tensor:
+    """exp(lse_part - lse_total), 0 where the partial is empty; [B, H, S] -> [B, S, H, 1]."""
+    w = torch.exp(lse_part - lse_total)
+    w = torch.where(lse_part == float("-inf"), torch.zeros_like(w), w)
+    return w.transpose(1, 2).unsqueeze(-1)
+
+
+def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
+               lse: torch.Tensor) -> None:
+    """Merge (out, lse) into the running accumulator in place.
+
+    acc_out [B, S, H, D] float32 (or float64), acc_lse [B, H, S] same dtype family; out/lse are a
+    new partial for the same rows (out in any float dtype). Views (row slices) are fine.
+    """
+    lse = clean_lse(lse.to(acc_lse.dtype))
+    total = torch.logaddexp(acc_lse, lse)
+    w_acc = _weight(acc_lse, total)
+    w_new = _weight(lse, total)
+    acc_out.mul_(w_acc).add_(out.to(acc_out.dtype) * w_new)
+    acc_lse.copy_(total)
+
+
+def merge(parts, acc_dtype: torch.dtype = torch.float32
+          ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Merge an iterable of (out [B,S,H,D], lse [B,H,S]) partials of the same rows."""
+    acc_out: Optional[torch.Tensor] = None
+    acc_lse: Optional[torch.Tensor] = None
+    for out, lse in parts:
+        if acc_out is None:
+            acc_out = torch.zeros(out.shape, dtype=acc_dtype, device=out.device)
+            acc_lse = torch.full(lse.shape, float("-inf"), dtype=acc_dtype, device=lse.device)
+        merge_into(acc_out, acc_lse, out, lse)
+    if acc_out is None:
+        raise ValueError("merge() needs at least one partial")
+    return acc_out, acc_lse
+
+
+def new_accumulator(q_shape, head_dim_v: int, dtype: torch.dtype, device
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Empty (out, lse) accumulator for queries of shape [B, S, H, D]: out = 0, lse = -inf."""
+    b, s, h, _ = q_shape
+    acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    out = torch.zeros(b, s, h, head_dim_v, dtype=acc_dtype, device=device)
+    lse = torch.full((b, h, s), float("-inf"), dtype=acc_dtype, device=device)
+    return out, lse

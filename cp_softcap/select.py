@@ -1,0 +1,55 @@
+"""`python -m cp_softcap.select ...`: print which kernel serves a spec and why every other one
+was rejected. Example:
+    python -m cp_softcap.select --softcap 50 --head-dim 256 --heads 16 --kv-heads 8 --cp 8 \
+        --device cuda --dtype bf16 --window 4095 0 --causal
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .selector import select
+from .spec import make_spec
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+           "fp64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float32": torch.float32, "float64": torch.float64}
+
+
+def _window_side(text: str):
+    return None if text.lower() in ("none", "-1", "inf") else int(text)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cp_softcap.select", description=__doc__.split("\n")[0])
+    p.add_argument("--softcap", type=float, default=None, help="0 or absent = off")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--window", nargs=2, type=_window_side, metavar=("LEFT", "RIGHT"), default=None)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--comm", default="ring")
+    p.add_argument("--no-backward", action="store_true", help="forward only (inference)")
+    p.add_argument("--backend", default="auto", help="force a kernel, as backend= does")
+    a = p.parse_args(argv)
+    try:
+        spec = make_spec(head_dim=a.head_dim, num_heads=a.heads, num_kv_heads=a.kv_heads or a.heads,
+                         dtype=_DTYPES[a.dtype], device_type=a.device, softcap=a.softcap,
+                         causal=a.causal, window=tuple(a.window) if a.window else None,
+                         needs_backward=not a.no_backward, cp_size=a.cp, comm=a.comm)
+        sel = select(spec, a.backend)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"spec: {spec.describe()}")
+    print(sel.table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""AttnSpec: the validated description of one attention call.
+
+Everything user-supplied is checked here, once, at the public boundary. The rest of the
+library trusts an AttnSpec. No `assert` is used for user input (python -O strips asserts).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+Window = Tuple[Optional[int], Optional[int]]
+COMM_TYPES = ("ring", "all_gather", "a2a", "a2a+p2p", "auto")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def normalize_softcap(softcap) -> Optional[float]:
+    """None or 0.0 -> None (off); positive finite float -> float; anything else raises."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be None or a positive float, got {softcap!r} "
+                        f"of type {type(softcap).__name__}")
+    softcap = float(softcap)
+    if softcap == 0.0:
+        return None
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be None, 0.0 (off) or a positive finite float, got {softcap!r}; "
+                         "Gemma2 uses 50.0 inside attention")
+    return softcap
+
+
+def normalize_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return head_dim ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be None or a positive float, got {scale!r}")
+    scale = float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite float, got {scale!r}; "
+                         f"leave it None for head_dim**-0.5 = {head_dim ** -0.5:.6g}")
+    return scale
+
+
+def normalize_window(window, causal: bool) -> Window:
+    """Return (left, right) with None for an unbounded side; causal forces right = 0.
+
+    Key j is visible from query i iff i - left <= j <= i + right (global positions).
+    Accepts None, a (left, right) pair, or flash-attn's (-1, -1) convention for unbounded.
+    """
+    if window is None:
+        left, right = None, None
+    else:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise ValueError(f"window must be None or a (left, right) pair of non-negative ints "
+                             f"(None = unbounded side), got {window!r}; Gemma2 local layers use (4095, 0)")
+        sides = []
+        for name, side in zip(("left", "right"), window):
+            if side is None or (isinstance(side, int) and not isinstance(side, bool) and side == -1):
+                sides.append(None)
+            elif isinstance(side, int) and not isinstance(side, bool) and side >= 0:
+                sides.append(int(side))
+            else:
+                raise ValueError(f"window {name} side must be a non-negative int or None (unbounded), "
+                                 f"got {side!r} in window={window!r}")
+        left, right = sides
+    if causal:
+        if right not in (None, 0):
+            raise ValueError(f"causal=True with window right side {right}: causal attention sees no "
+                             "future keys; pass window=(left, 0) or causal=False")
+        right = 0
+    return (left, right)
+
+
+@dataclass(frozen=True)
+class AttnSpec:
+    """One attention call, validated. Hashable: the selector caches on it."""
+    head_dim: int
+    head_dim_v: int
+    num_heads: int
+    num_kv_heads: int
+    dtype: torch.dtype
+    device_type: str
+    scale: float
+    softcap: Optional[float] = None
+    causal: bool = False
+    window: Window = (None, None)
+    dropout: float = 0.0
+    needs_backward: bool = True
+    cp_size: int = 1
+    comm: str = "ring"
+    return_lse: bool = False
+    deterministic: bool = False
+
+    @property
+    def gqa(self) -> bool:
+        return self.num_heads != self.num_kv_heads
+
+    @property
+    def has_window(self) -> bool:
+        """A bounded side other than plain causal's right = 0."""
+        left, right = self.window
+        return left is not None or (right is not None and not (self.causal and right == 0))
+
+    def describe(self) -> str:
+        return (f"softcap={self.softcap} causal={self.causal} window={self.window} "
+                f"heads={self.num_heads}/{self.num_kv_heads} head_dim={self.head_dim} "
+                f"dtype={str(self.dtype).replace('torch.', '')} device={self.device_type} "
+                f"cp={self.cp_size} comm={self.comm}")
+
+
+def make_spec(*, head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype,
+              device_type: str, softcap=None, causal: bool = False, window=None, scale=None,
+              dropout: float = 0.0, needs_backward: bool = True, cp_size: int = 1,
+              comm: str = "ring", head_dim_v: Optional[int] = None,
+              return_lse: bool = False) -> AttnSpec:
+    """Validate user-facing options and build an AttnSpec. Raises ValueError/TypeError."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if dtype not in _DTYPES:
+        raise TypeError(f"dtype {dtype} is not supported; use float16, bfloat16, float32 or float64")
+    if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}; "
+                         "GQA needs Hq % Hkv == 0")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not (0.0 <= dropout < 1.0):
+        raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+    softcap = normalize_softcap(softcap)
+    if softcap is not None and dropout > 0:
+        raise ValueError(f"softcap={softcap} with dropout={dropout} is not supported (flash-attn refuses "
+                         "it and the softcap gradient would be wrong); set dropout=0.0")
+    if dropout > 0:
+        raise ValueError(f"attention dropout={dropout} is not supported by cp_softcap (its kernels are "
+                         "exact and deterministic); set dropout=0.0 and regularise elsewhere")
+    if comm not in COMM_TYPES:
+        raise ValueError(f"comm must be one of {COMM_TYPES}, got {comm!r}")
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    return AttnSpec(head_dim=int(head_dim), head_dim_v=int(head_dim_v or head_dim),
+                    num_heads=int(num_heads), num_kv_heads=int(num_kv_heads), dtype=dtype,
+                    device_type=device_type, scale=normalize_scale(scale, head_dim), softcap=softcap,
+                    causal=causal, window=normalize_window(window, causal), dropout=float(dropout),
+                    needs_backward=bool(needs_backward), cp_size=cp_size, comm=comm,
+                    return_lse=bool(return_lse),
+                    deterministic=torch.are_deterministic_algorithms_enabled())
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, where: str = "") -> None:
+    """Shape/dtype/device checks for [B, S, H, D] inputs. `where` names the rank in messages."""
+    at = f" on {where}" if where else ""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}{at}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, seq, heads, head_dim], got shape "
+                             f"{tuple(t.shape)}{at}; for [batch, heads, seq, head_dim] use .transpose(1, 2)")
+        if not (t.is_floating_point()):
+            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}{at}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}{at}; cast them")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}{at}")
+    if q.shape[0] != k.shape[0] or k.shape[0] != v.shape[0]:
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}{at}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v sequence lengths differ: {k.shape[1]} vs {v.shape[1]}{at}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v head counts differ: {k.shape[2]} vs {v.shape[2]}{at}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k head dims differ: {q.shape[3]} vs {k.shape[3]}{at}")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"num_heads={q.shape[2]} is not a multiple of num_kv_heads={k.shape[2]}{at}; "
+                         "GQA needs Hq % Hkv == 0")
