@@ -5,8 +5,9 @@
     attn = cps.CPAttention(cp_group, softcap=50.0, window=(4095, 0))      # context parallel
 """
 from .api import attention
+from .module import CPAttention, cp_attention
 from .selector import Selection, select
 from .spec import AttnSpec, make_spec
 
-__all__ = ["attention", "select", "Selection", "AttnSpec", "make_spec"]
+__all__ = ["attention", "cp_attention", "CPAttention", "select", "Selection", "AttnSpec", "make_spec"]
 __version__ = "0.1.0"
