@@ -1,0 +1,199 @@
+"""A compact Gemma2 whose attention is cp_softcap.CPAttention (context parallel, softcap 50,
+sliding window 4096 on even layers). Module names follow HF's, so HF safetensors load as-is.
+
+Under context parallelism every rank holds a zigzag shard of the sequence: input ids and position
+ids [B, S/cp] (cp_softcap.sharding.shard / positions); everything outside attention is per token,
+so only CPAttention talks to the other ranks.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cp_softcap import CPAttention
+
+from .config import Gemma2Config
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * (1 + w), computed in float32 and cast back; w starts at 0."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """position_ids [B, S] (global positions) -> cos, sin [B, S, head_dim] in `dtype`."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float,
+                                             device=position_ids.device) / head_dim))
+    freqs = position_ids[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, S, H, D]; cos/sin [B, S, D]."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Gemma2Config, layer: int, cp_group, comm: str, backend: str):
+        super().__init__()
+        self.h, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=False)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        sliding = cfg.layer_type(layer) == "sliding_attention"
+        self.attn = CPAttention(cp_group, softcap=cfg.attn_logit_softcapping,
+                                window=(cfg.sliding_window - 1, 0) if sliding else None,
+                                scale=cfg.scale, comm=comm, backend=backend)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.h, self.d)
+        k = self.k_proj(x).view(b, s, self.hkv, self.d)
+        v = self.v_proj(x).view(b, s, self.hkv, self.d)
+        q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
+        return self.o_proj(self.attn(q, k, v).reshape(b, s, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Gemma2Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Sandwich norms: x + post_attn(attn(input(x))), then x + post_ffn(mlp(pre_ffn(x)))."""
+
+    def __init__(self, cfg: Gemma2Config, layer: int, cp_group, comm: str, backend: str):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer, cp_group, comm, backend)
+        self.mlp = MLP(cfg)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, x, cos, sin):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma2Body(nn.Module):
+    def __init__(self, cfg: Gemma2Config, cp_group, comm: str, backend: str):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, cp_group, comm, backend)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Gemma2(nn.Module):
+    """Gemma2 causal LM on CPAttention.
+
+    Args: cfg; cp_group: the context-parallel process group (None or size 1 = one device);
+    comm: CP algorithm ("ring", "all_gather", "a2a", "auto"); backend: kernel ("auto" = selector).
+    forward(input_ids [B, S_local], position_ids [B or 1, S_local] global positions, default
+    arange) -> logits [B, S_local, vocab], final-softcapped (cap * tanh(logits / cap)).
+    """
+
+    def __init__(self, cfg: Gemma2Config, cp_group=None, *, comm: str = "ring", backend: str = "auto"):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Gemma2Body(cfg, cp_group, comm, backend)
+
+    def reset_parameters(self) -> None:
+        """Gemma2's init: normal(0, initializer_range) for linears and embeddings, norms at 0."""
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=self.cfg.initializer_range)
+            elif isinstance(m, RMSNorm):
+                nn.init.zeros_(m.weight)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        cfg, emb = self.cfg, self.model.embed_tokens
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        x = emb(input_ids) * torch.tensor(cfg.hidden_size ** 0.5, dtype=emb.weight.dtype)
+        cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        logits = F.linear(self.model.norm(x), emb.weight)     # tied lm_head
+        cap = cfg.final_logit_softcapping
+        return logits if cap is None else cap * torch.tanh(logits / cap)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N + 12 * layers * heads * head_dim * seq (full causal count)."""
+        c = self.cfg
+        return 6 * self.num_params() + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
+
+
+def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed float32 cross-entropy over labels != -100. logits [B, S, V], labels [B, S]."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
+                           reduction="sum")
+
+
+def load_hf_weights(model: Gemma2, model_dir: str) -> None:
+    """Copy an HF Gemma2 checkpoint (model_dir/*.safetensors) into `model`, in place.
+
+    Names match HF's ("model.layers.0.self_attn.q_proj.weight", ...); "lm_head.weight" is tied to
+    the embedding and skipped. Raises naming the missing/unexpected tensors or mismatched shapes.
+    """
+    from safetensors import safe_open
+
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted({os.path.join(model_dir, v) for v in json.load(f)["weight_map"].values()})
+    else:
+        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in --model-dir {model_dir!r}")
+    params = dict(model.named_parameters())
+    seen = set()
+    with torch.no_grad():
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    if name == "lm_head.weight":
+                        continue
+                    if name not in params:
+                        raise KeyError(f"{path} holds {name!r}, which this Gemma2 has no parameter for; "
+                                       "is this a Gemma2 (not Gemma/Gemma3) checkpoint?")
+                    t = f.get_tensor(name)
+                    if t.shape != params[name].shape:
+                        raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model shape "
+                                         f"{tuple(params[name].shape)}; the config does not match "
+                                         f"the weights in {model_dir!r}")
+                    params[name].copy_(t)
+                    seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise KeyError(f"{len(missing)} parameters missing from {model_dir!r}: {missing[:5]}...")
