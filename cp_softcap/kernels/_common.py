@@ -1,0 +1,97 @@
+"""Small helpers shared by the GPU adapters (fa2, fa3, fa4, flex, sdpa). Pure logic: everything
+here runs (and is unit-tested) on CPU.
+
+LSE normalisation (every adapter returns lse [B, H, Sq] float32, contiguous, -inf for empty rows):
+    fa2_lse(lse)              flash-attn 2 marks empty rows with +inf -> -inf
+    padded_lse(lse, sq)       mem-efficient SDPA pads the last dim to a multiple of 32 -> slice
+    cudnn_lse(lse)            cuDNN SDPA returns [B, H, L, 1] -> [B, H, L]
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Callable, Iterable, Optional, Tuple
+
+import torch
+
+from ..spec import Window
+
+
+def fa2_lse(lse: torch.Tensor) -> torch.Tensor:
+    """[B, H, S] (or varlen [H, total]) with +inf for empty rows -> float32 contiguous, -inf there."""
+    lse = lse.float()
+    return torch.where(lse == float("inf"), torch.full_like(lse, float("-inf")), lse).contiguous()
+
+
+def padded_lse(lse: torch.Tensor, sq: int) -> torch.Tensor:
+    """Efficient-attention LSE [B, H, ceil32(Sq)] -> [B, H, Sq] float32 contiguous."""
+    if lse.shape[-1] < sq:
+        raise ValueError(f"LSE last dim {lse.shape[-1]} is shorter than Sq={sq}; not an "
+                         "efficient-attention LSE")
+    return lse[..., :sq].float().contiguous()
+
+
+def cudnn_lse(lse: torch.Tensor) -> torch.Tensor:
+    """cuDNN SDPA LSE [B, H, L, 1] (or already [B, H, L]) -> [B, H, L] float32 contiguous."""
+    if lse.dim() == 4:
+        lse = lse.squeeze(-1)
+    return lse.float().contiguous()
+
+
+def missing_params(fn: Callable, names: Iterable[str]) -> Tuple[str, ...]:
+    """Names from `names` that `fn`'s signature lacks (empty tuple: all present)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return tuple(names)
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return ()
+    return tuple(n for n in names if n not in params)
+
+
+def try_import(module: str):
+    """(module, None) or (None, 'reason') without raising."""
+    try:
+        return importlib.import_module(module), None
+    except Exception as e:  # ImportError, but also CUDA/driver errors raised at import
+        return None, f"{type(e).__name__}: {e}"
+
+
+def cuda_arch(device=None) -> Optional[int]:
+    """Compute capability as major*10+minor (90 for H100/H200), or None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+def common_cuda_reason(spec, name: str) -> Optional[str]:
+    """Reasons shared by CUDA-only kernels: wrong device, or no CUDA here."""
+    if spec.device_type != "cuda":
+        return f"{name} runs on CUDA only (spec device is {spec.device_type})"
+    if not torch.cuda.is_available():
+        return f"{name} needs CUDA, and torch.cuda.is_available() is False here"
+    return None
+
+
+def fa_window(window: Window) -> Tuple[int, int]:
+    """Contract window (None = unbounded) -> flash-attn 2/3 ints (-1 = unbounded)."""
+    left, right = window
+    return (-1 if left is None else int(left)), (-1 if right is None else int(right))
+
+
+def softcap_value(softcap: Optional[float]) -> float:
+    """flash-attn kernels take 0.0 for 'off' (never a negative sentinel: FA4 applies any non-zero cap)."""
+    return 0.0 if softcap is None else float(softcap)
+
+
+def empty_result(q: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """out = 0 [B, Sq, Hq, Dv] in q's dtype and lse = -inf [B, Hq, Sq] float32 (no visible key)."""
+    b, sq, hq, _ = q.shape
+    out = torch.zeros(b, sq, hq, v.shape[-1], dtype=q.dtype, device=q.device)
+    return out, torch.full((b, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
+
+
+def zero_grads(q, k, v):
+    """float32 zeros shaped like q, k, v (backward of a pair with no visible key)."""
+    return tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))

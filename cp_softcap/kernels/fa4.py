@@ -1,0 +1,133 @@
+"""`fa4`: FlashAttention-4 (package flash-attn-4, module `flash_attn.cute`, CuTe DSL, JIT).
+
+Forward and backward with softcap, bottom-right windows, GQA (unexpanded), and an LSE gradient,
+on sm90 (H100/H200) and sm100/sm110/sm120. Layout is the contract's [B, S, H, D]: no copies.
+
+Calls the low-level `_flash_attn_fwd` / `_flash_attn_bwd` with KEYWORD arguments only (their
+positional order differs from flash-attn 2). softcap off is passed as 0.0: FA4 applies any
+non-zero cap, even a negative one, so a sentinel would silently cap.
+
+JIT compile: the first call for each distinct (dtype, head dim, causal/window kind, GQA packing,
+softcap VALUE, ...) compiles CuTe kernels (~6 s measured on H200 for forward; backward compiles
+separately). The softcap value is hashed into the compile key, so every distinct cap compiles
+new kernels; they are cached in-process (and by FA4's own on-disk cache when enabled). Warm up
+once per cap before timing.
+
+Probe (fail closed): CUDA present; package importable; arch 8.x has no backward; sm100/sm110 with
+head dim 256 + softcap is rejected (its dedicated hd256 backward asserts softcap == 0, and has
+no dLSE); the functions must accept every keyword this adapter passes.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from ..spec import Window
+from ._common import (common_cuda_reason, cuda_arch, empty_result, missing_params, softcap_value,
+                      try_import, zero_grads)
+from .base import Capabilities, Kernel
+
+_MODULE = "flash_attn.cute.interface"
+_FWD_KW = ("softmax_scale", "causal", "softcap", "window_size_left", "window_size_right",
+           "return_lse")
+_BWD_KW = ("softmax_scale", "causal", "softcap", "window_size_left", "window_size_right",
+           "deterministic", "dlse")
+INSTALL_HINT = "install flash-attn-4 (pip install 'cp-softcap[fa4]')"
+
+
+def fa4_rejection(arch: Optional[int], spec) -> Optional[str]:
+    """Arch/feature rules of FA4 as a pure function (unit-tested on CPU). arch = major*10+minor."""
+    if arch is None:
+        return "no CUDA device"
+    if arch // 10 not in (8, 9, 10, 11, 12):
+        return f"compute capability {arch / 10:.1f} is not supported by flash-attn-4 (8.x-12.x)"
+    if spec.needs_backward and arch // 10 == 8:
+        return "flash-attn-4 has no backward on sm8x; use flex or fa2 for training there"
+    if arch // 10 in (10, 11) and 256 in (spec.head_dim, spec.head_dim_v):
+        if spec.softcap is not None and spec.needs_backward:
+            return (f"sm{arch} head dim 256 backward in flash-attn-4 asserts softcap == 0 "
+                    f"(softcap={spec.softcap} requested); use flex")
+        if spec.return_lse and spec.needs_backward:
+            return f"sm{arch} head dim 256 backward in flash-attn-4 has no dLSE"
+    if spec.deterministic and spec.needs_backward and arch // 10 == 12:
+        return "flash-attn-4 has no deterministic backward on sm12x"
+    return None
+
+
+class FA4Kernel(Kernel):
+    name = "fa4"
+    caps = Capabilities(
+        softcap=True, window=True, gqa=True,
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        devices=frozenset({"cuda"}), backward_devices=frozenset({"cuda"}),
+        max_head_dim=256, head_dim_multiple=8, cp=True, dlse=True, deterministic_backward=True,
+        notes=("JIT: first call per distinct softcap value compiles (~seconds)",
+               "gradients are computed in the input dtype by FA4 and returned as float32"))
+
+    def __init__(self):
+        self._mod = None
+        self._import_reason: Optional[str] = None
+        self._imported = False
+        self._probe_cache: Dict[tuple, Optional[str]] = {}
+
+    def _interface(self):
+        if not self._imported:
+            self._imported = True
+            mod, reason = try_import(_MODULE)
+            if mod is None:
+                self._import_reason = f"flash-attn-4 not importable ({reason}); {INSTALL_HINT}"
+            else:
+                missing = (missing_params(mod._flash_attn_fwd, _FWD_KW)
+                           + missing_params(mod._flash_attn_bwd, _BWD_KW))
+                if missing:
+                    self._import_reason = (f"flash-attn-4 found but its _flash_attn_fwd/_bwd lack "
+                                           f"keywords {missing}; this adapter is written for 4.0.0b36")
+                else:
+                    self._mod = mod
+        return self._mod
+
+    def probe(self, spec) -> Optional[str]:
+        reason = common_cuda_reason(spec, "fa4")
+        if reason:
+            return reason
+        arch = cuda_arch()
+        key = (arch, spec.head_dim, spec.head_dim_v, spec.softcap is not None, spec.needs_backward,
+               spec.return_lse, spec.deterministic)
+        if key not in self._probe_cache:
+            reason = fa4_rejection(arch, spec)
+            if reason is None and self._interface() is None:
+                reason = self._import_reason
+            self._probe_cache[key] = reason
+        return self._probe_cache[key]
+
+    def forward(self, q, k, v, *, scale: float, softcap: Optional[float], window: Window
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """q [B,Sq,Hq,D], k/v [B,Sk,Hkv,D] -> out [B,Sq,Hq,Dv] (q.dtype), lse [B,Hq,Sq] fp32."""
+        if q.shape[1] == 0 or k.shape[1] == 0:
+            return empty_result(q, v)
+        mod = self._interface()
+        if mod is None:
+            raise RuntimeError(self._import_reason)
+        left, right = window
+        res = mod._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=False,
+                                  softcap=softcap_value(softcap), window_size_left=left,
+                                  window_size_right=right, return_lse=True)
+        return res[0], res[1]
+
+    def backward(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
+                 window: Window, dlse: Optional[torch.Tensor] = None):
+        """Gradients (float32) of this chunk pair given the FINAL merged out/lse of its rows."""
+        if q.shape[1] == 0 or k.shape[1] == 0:
+            return zero_grads(q, k, v)
+        mod = self._interface()
+        if mod is None:
+            raise RuntimeError(self._import_reason)
+        left, right = window
+        dq, dk, dv = mod._flash_attn_bwd(
+            q, k, v, out.to(q.dtype), dout.to(q.dtype), lse.float().contiguous(),
+            softmax_scale=scale, causal=False, softcap=softcap_value(softcap),
+            window_size_left=left, window_size_right=right,
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+            dlse=None if dlse is None else dlse.float().contiguous())[:3]
+        return dq.float(), dk.float(), dv.float()

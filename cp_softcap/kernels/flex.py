@@ -1,0 +1,190 @@
+"""`flex`: torch.nn.attention.flex_attention (compiled with torch.compile on CUDA).
+
+softcap  -> score_mod `cap * tanh(score / cap)` (flex passes the already scaled score). The cap is
+            a compile-time constant: one compile per distinct cap value (as with FA4).
+window   -> a block mask built once per chunk-pair geometry (Sq, Sk, left, right, device) and
+            cached. The mask_mod reads its offsets (shift = Sk - Sq, left, right) from 0-d int
+            tensors, so a new geometry builds a new block mask but never recompiles the kernel.
+GQA      -> enable_gqa=True (K/V not expanded).
+Layout   -> flex wants [B, H, S, D]; we transpose views at the edge (no copies).
+
+Backward: flex has no public "backward from a given (out, lse)". The ring needs gradients under
+the FINAL merged (O, LSE) of each row. With this chunk's own (o_c, lse_c) and w = exp(lse_c - LSE):
+    P_final = w * P_c,   so  dV = P_c^T (w dO),
+    dS = P_c * w * (dO.v - D),  D = rowsum(dO * O) - dLSE
+which is the chunk's own autograd backward with dout' = w * dO and
+    dlse' = rowsum(dout' * o_c) - w * D.
+So backward recomputes the chunk forward under autograd (cost: one extra forward) and calls
+torch.autograd.grad with (dout', dlse'). Exact; rows with lse_c = -inf get w = 0.
+CPU: eager forward works; backward on CPU raises in flex itself, so caps.backward_devices={'cuda'}.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from ..spec import Window
+from ._common import empty_result, try_import, zero_grads
+from .base import Capabilities, Kernel
+
+_NEG_INF = float("-inf")
+
+
+def _row_weight(lse_c: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """w = exp(lse_c - lse), 0 where the chunk row is empty (or the final row is empty)."""
+    w = torch.exp(lse_c - lse)
+    return torch.where((lse_c == _NEG_INF) | (lse == _NEG_INF), torch.zeros_like(w), w)
+
+
+def reweighted_grads_inputs(dout, out_c, lse_c, out, lse, dlse):
+    """(dout', dlse') that turn the chunk's own backward into the final-(O, LSE) backward.
+
+    dout [B,Sq,H,D], out_c/out [B,Sq,H,D], lse_c/lse/dlse [B,H,Sq]. Returns dout' in dout's
+    dtype ([B,Sq,H,D]) and dlse' float32 (float64 for float64) [B,H,Sq]. Pure tensor math (unit-tested on CPU)."""
+    acc = torch.float64 if dout.dtype == torch.float64 else torch.float32
+    w = _row_weight(lse_c.to(acc), lse.to(acc))                     # [B, H, Sq]
+    w_bs = w.transpose(1, 2).unsqueeze(-1)                           # [B, Sq, H, 1]
+    dout_p = (dout.to(acc) * w_bs).to(dout.dtype)
+    d_final = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)   # [B, H, Sq]
+    if dlse is not None:
+        d_final = d_final - dlse.to(acc)
+    d_own = (dout_p.to(acc) * out_c.to(acc)).sum(-1).transpose(1, 2)
+    return dout_p, (d_own - w * d_final).contiguous()
+
+
+def _raise_recompile_limit(n: int) -> None:
+    """Each chunk-pair shape and softcap value is one compile of flex_attention; dynamo's default
+    limit (8 per code object) would silently fall back to eager (materialising the score matrix)."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name) and getattr(cfg, name) < n:
+            setattr(cfg, name, n)
+
+
+def geometry_mask_mod(sq: int, sk: int, window: Window, device):
+    """mask_mod for one chunk-pair geometry: a closure over 0-d int tensors (shift = Sk - Sq,
+    left, right), so dynamo guards on tensor metadata, not values: no recompile per geometry."""
+    left, right = window
+    big = sq + sk + 1                           # an unbounded side never binds
+    shift = torch.tensor(sk - sq, device=device)
+    lo = torch.tensor(big if left is None else left, device=device)
+    hi = torch.tensor(big if right is None else right, device=device)
+
+    def window_mask(b, h, q_idx, kv_idx):
+        i = q_idx + shift
+        return (kv_idx >= i - lo) & (kv_idx <= i + hi)
+    return window_mask
+
+
+class FlexKernel(Kernel):
+    name = "flex"
+    caps = Capabilities(
+        softcap=True, window=True, gqa=True,
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        devices=frozenset({"cpu", "cuda"}), backward_devices=frozenset({"cuda"}),
+        max_head_dim=256, cp=True, dlse=True, deterministic_backward=False,
+        notes=("torch.compile on CUDA: one compile per distinct softcap value and shape",
+               "backward recomputes the chunk forward (exact final-LSE reweighting)"))
+
+    def __init__(self, compile_on_cuda: bool = True):
+        self.compile_on_cuda = compile_on_cuda
+        self._flex = None
+        self._compiled = None
+        self._reason: Optional[str] = None
+        self._masks: Dict[tuple, object] = {}          # geometry -> BlockMask (bounded, FIFO)
+        self._lse_kw: dict = {}
+        self._score_mods: Dict[Optional[float], object] = {}
+
+    def _load(self):
+        if self._flex is None and self._reason is None:
+            mod, reason = try_import("torch.nn.attention.flex_attention")
+            if mod is None:
+                self._reason = f"torch.nn.attention.flex_attention not importable ({reason}); needs torch >= 2.5"
+            else:
+                self._flex, self._create_block_mask = mod.flex_attention, mod.create_block_mask
+                aux = getattr(mod, "AuxRequest", None)      # torch >= 2.9; return_lse before
+                self._lse_kw = {"return_aux": aux(lse=True)} if aux else {"return_lse": True}
+        return self._flex
+
+    def probe(self, spec) -> Optional[str]:
+        if self._load() is None:
+            return self._reason
+        if spec.device_type == "cuda" and not torch.cuda.is_available():
+            return "flex on cuda needs CUDA, and torch.cuda.is_available() is False here"
+        if spec.device_type == "cuda":
+            try:
+                import triton  # noqa: F401  (the compiled CUDA path is Triton)
+            except Exception as e:
+                return f"flex on cuda needs triton for torch.compile ({type(e).__name__}: {e})"
+        return None
+
+    def _fn(self, device: torch.device):
+        if device.type == "cuda" and self.compile_on_cuda:
+            if self._compiled is None:
+                _raise_recompile_limit(64)
+                self._compiled = torch.compile(self._load(), dynamic=False)
+            return self._compiled
+        return self._load()
+
+    def _score_mod(self, softcap: Optional[float]):
+        if softcap is None:
+            return None
+        if softcap not in self._score_mods:
+            cap = float(softcap)
+
+            def softcap_mod(score, b, h, q_idx, kv_idx):
+                return cap * torch.tanh(score / cap)
+            self._score_mods[softcap] = softcap_mod
+        return self._score_mods[softcap]
+
+    def block_mask(self, sq: int, sk: int, window: Window, device):
+        """Cached BlockMask for an Sq x Sk pair under the bottom-right `window` (None = full)."""
+        if window == (None, None):
+            return None
+        key = (sq, sk, window, str(device))
+        if key not in self._masks:
+            if len(self._masks) >= 256:
+                self._masks.pop(next(iter(self._masks)))
+            self._load()
+            self._masks[key] = self._create_block_mask(geometry_mask_mod(sq, sk, window, device),
+                                                       None, None, sq, sk,
+                                                       device=device, _compile=device.type == "cuda")
+        return self._masks[key]
+
+    def _call(self, q, k, v, scale, softcap, window):
+        """[B,S,H,D] in -> (out [B,Sq,Hq,Dv], lse [B,Hq,Sq] fp32), differentiable on CUDA."""
+        sq, sk = q.shape[1], k.shape[1]
+        fn = self._fn(q.device)
+        out, lse = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                      score_mod=self._score_mod(softcap),
+                      block_mask=self.block_mask(sq, sk, window, q.device), scale=scale,
+                      enable_gqa=q.shape[2] != k.shape[2], **self._lse_kw)
+        if not isinstance(lse, torch.Tensor):
+            lse = lse.lse                                   # AuxOutput
+        return out.transpose(1, 2), lse
+
+    def forward(self, q, k, v, *, scale: float, softcap: Optional[float], window: Window
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+        if q.shape[1] == 0 or k.shape[1] == 0:
+            return empty_result(q, v)
+        with torch.no_grad():
+            out, lse = self._call(q, k, v, scale, softcap, window)
+        return out, lse.float().contiguous()
+
+    def backward(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
+                 window: Window, dlse: Optional[torch.Tensor] = None):
+        """float32 (dq, dk, dv) under the final merged (out, lse); recomputes the chunk forward."""
+        if q.shape[1] == 0 or k.shape[1] == 0:
+            return zero_grads(q, k, v)
+        if q.device.type != "cuda":
+            raise NotImplementedError("flex has no CPU backward; the selector uses the torch "
+                                      "kernel there (caps.backward_devices={'cuda'})")
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        with torch.enable_grad():
+            out_c, lse_c = self._call(qg, kg, vg, scale, softcap, window)
+            dout_p, dlse_p = reweighted_grads_inputs(dout, out_c.detach(), lse_c.detach(), out,
+                                                     lse, dlse)
+            dq, dk, dv = torch.autograd.grad((out_c, lse_c), (qg, kg, vg),
+                                             (dout_p.to(out_c.dtype), dlse_p))
+        return dq.float(), dk.float(), dv.float()
