@@ -1,0 +1,156 @@
+"""HF transformers integration: `attn_implementation="cp_softcap"`.
+
+Importing this module registers `cp_softcap_attention` with `transformers.AttentionInterface`
+under the name "cp_softcap". Any model that hands its attention function `scaling`, `softcap`
+and `sliding_window` (Gemma2 does) then runs softcapped, windowed attention through cp_softcap:
+on one device, or context-parallel when a CP process group is set:
+
+    import cp_softcap as cps
+    from cp_softcap.integrations.hf import use_cp_group
+    model = Gemma2ForCausalLM.from_pretrained(path, attn_implementation="cp_softcap")
+    use_cp_group(cp_group)                                   # or pass cp_group=... to forward
+    ids = cps.sharding.shard(input_ids, cp, rank)            # [B, S/cp] zigzag shard
+    pos = cps.sharding.positions(S, cp, rank)[None]          # global position ids (required)
+    lab = cps.sharding.shard(labels_shifted_on_full_sequence, cp, rank)
+    out = model(input_ids=ids, position_ids=pos, labels=lab, shift_labels=lab,
+                num_items_in_batch=n_valid)
+
+`out.logits` is this rank's shard; `out.loss` is the local CE sum / n_valid, so summing losses and
+gradients over the CP group gives the full-sequence result. Pass `shift_labels` (labels already
+shifted on the full sequence, then sharded; `labels` must be non-None for HF to compute a loss):
+HF's own shift of `labels` alone would cross shard borders.
+
+Masks: causal and sliding-window masking happen inside cp_softcap from global positions; no
+[S, S] mask is ever materialised. HF would silently DROP a user's 2-D padding mask for an
+attention implementation it has no mask function for, so a mask function is registered too
+(`_mask_function`): it returns None for no mask or an all-ones mask and refuses padding masks
+and model-specific mask changes. A dense 4-D mask reaches the attention function and is refused
+there, as is attention dropout.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..module import cp_attention
+from ..sharding import positions as zigzag_positions
+
+NAME = "cp_softcap"
+_CONFIG = {"group": None, "comm": "ring", "backend": "auto"}
+_CHECKED_POSITIONS: dict = {}
+
+
+def use_cp_group(group, *, comm: str = "ring", backend: str = "auto") -> None:
+    """Set the CP process group (None = one device), CP algorithm and kernel used by every
+    `attn_implementation="cp_softcap"` call that does not pass `cp_group=` itself."""
+    from ..spec import COMM_TYPES
+    if comm not in COMM_TYPES:
+        raise ValueError(f"comm must be one of {COMM_TYPES}, got {comm!r}")
+    _CONFIG.update(group=group, comm=comm, backend=backend)
+    _CHECKED_POSITIONS.clear()
+
+
+def _check_mask(mask) -> None:
+    if mask is None:
+        return
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        if bool(mask.bool().all()):
+            return          # a tokenizer's all-ones mask: nothing to apply
+        raise ValueError(
+            f"attn_implementation='cp_softcap' got a 2-D attention_mask {tuple(mask.shape)} with padding "
+            "(zeros); it cannot apply padding masks. Drop attention_mask: with causal attention, right "
+            "padding needs no mask as long as the padded labels are -100; or pack sequences without pads.")
+    shape = tuple(getattr(mask, "shape", ()))
+    raise ValueError(
+        f"attn_implementation='cp_softcap' got a dense attention mask of type {type(mask).__name__} "
+        f"shape {shape}; it applies causal and sliding-window masks itself (from global positions) and "
+        "cannot apply an arbitrary mask. Call the model without attention_mask (or with an all-ones "
+        "2-D mask), or use attn_implementation='eager' for custom masks.")
+
+
+def _check_positions(position_ids: Optional[torch.Tensor], sq: int, cp: int, rank: int) -> None:
+    """cp == 1: each row's positions are consecutive (no packed sequences). cp > 1: they are the
+    global zigzag positions of this rank's tokens (cp_softcap.sharding.positions)."""
+    if position_ids is None:
+        return
+    # every layer of one forward gets the same tensor: check it once (a weakref, so a new tensor
+    # reusing a freed one's memory is checked again)
+    last = _CHECKED_POSITIONS.get("last")
+    key = (position_ids._version, sq, cp, rank)
+    if last is not None and last[0]() is position_ids and last[1] == key:
+        return
+    pos = position_ids.reshape(-1, position_ids.shape[-1])
+    if cp == 1:
+        ok = pos.shape[-1] == sq and bool((pos[:, 1:] - pos[:, :-1] == 1).all())
+        want = "consecutive in each row"
+    else:
+        expected = zigzag_positions(sq * cp, cp, rank, device=position_ids.device)
+        ok = pos.shape[-1] == sq and bool((pos == expected).all())
+        want = f"cp_softcap.sharding.positions({sq * cp}, cp={cp}, rank={rank})"
+    if not ok:
+        raise ValueError(
+            f"position_ids {tuple(position_ids.shape)} (first row starts {pos[0, :4].tolist()}) are not "
+            f"{want}; cp_softcap masks by position. Under CP pass "
+            "position_ids=cp_softcap.sharding.positions(S, cp, rank)[None] with the zigzag-sharded "
+            "input_ids; packed sequences (position resets) are not supported.")
+    _CHECKED_POSITIONS["last"] = (weakref.ref(position_ids), key)
+
+
+def _mask_function(*args, attention_mask=None, use_vmap: bool = False, **kwargs):
+    """transformers mask hook for "cp_softcap": validates, builds nothing (returns None)."""
+    if use_vmap:
+        raise ValueError("this model changes the causal mask with extra mask functions (e.g. bidirectional "
+                         "image tokens); attn_implementation='cp_softcap' applies only causal and "
+                         "sliding-window masks. Use attn_implementation='eager' for this model.")
+    _check_mask(attention_mask)
+    return None
+
+
+def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                         value: torch.Tensor, attention_mask=None, scaling: Optional[float] = None,
+                         dropout: float = 0.0, softcap: Optional[float] = None,
+                         sliding_window: Optional[int] = None, position_ids=None, cp_group=None,
+                         **kwargs) -> Tuple[torch.Tensor, None]:
+    """HF attention function. query [B, Hq, S, D], key/value [B, Hkv, Sk, D] (local shards under
+    CP) -> (out [B, S, Hq, D], None). sliding_window w: key j visible from query i iff
+    i - w < j <= i, i.e. window (w - 1, 0)."""
+    if dropout:
+        raise ValueError(f"attn_implementation='cp_softcap' got attention dropout={dropout}; it is "
+                         "exact and has no dropout. Set config.attention_dropout = 0.0.")
+    _check_mask(attention_mask)
+    group = cp_group if cp_group is not None else _CONFIG["group"]
+    cp = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    sq, sk = q.shape[1], k.shape[1]
+    if cp > 1 and sq != sk:
+        raise ValueError(f"query length {sq} != key length {sk} under cp={cp}: generation with a KV "
+                         "cache is not context parallel; call use_cp_group(None) for generation.")
+    _check_positions(position_ids, sq, cp, rank)
+    if not (q.dtype == k.dtype == v.dtype):    # e.g. fp32 RoPE output with bf16 v under autocast
+        dt = (torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type)
+              else v.dtype)
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
+    window = None
+    if sliding_window:
+        window = (sliding_window - 1, 0 if causal else sliding_window - 1)
+    if scaling is None:
+        scaling = q.shape[-1] ** -0.5
+    out = cp_attention(q, k, v, group, softcap=softcap, causal=causal, window=window, scale=scaling,
+                       comm=_CONFIG["comm"], backend=_CONFIG["backend"])
+    return out, None
+
+
+def register(name: str = NAME) -> None:
+    """Register cp_softcap_attention with transformers under `name` (done on import)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface.register(name, cp_softcap_attention)
+    AttentionMaskInterface.register(name, _mask_function)
+
+
+register()

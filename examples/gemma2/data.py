@@ -1,0 +1,70 @@
+"""Text -> token stream -> batches. No download: the default corpus is the standard library's
+`pydoc_data.topics` (~465 KB of English) under a byte-level tokenizer (ids = byte + 3; pad 0,
+eos 1, bos 2 as in Gemma2). A batch is a pure function of (seed, step, dp rank), so resuming at
+step N reads exactly the batches an uninterrupted run would have read."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+
+class ByteTokenizer:
+    """UTF-8 bytes shifted by 3; vocab 259."""
+    pad_id, eos_id, bos_id, offset = 0, 1, 2, 3
+    vocab_size = 259
+
+    def encode(self, text: str) -> list:
+        return [b + self.offset for b in text.encode("utf-8")]
+
+    def decode(self, ids) -> str:
+        return bytes(i - self.offset for i in ids if i >= self.offset).decode("utf-8", errors="replace")
+
+
+def default_text() -> str:
+    from pydoc_data.topics import topics
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def load_tokens(data: Optional[str] = None, model_dir: Optional[str] = None) -> torch.Tensor:
+    """The whole corpus as one 1-D int64 tensor.
+
+    data: None (pydoc_data.topics), a UTF-8 text file, or a .pt file holding a 1-D integer tensor
+    of token ids. model_dir: a local HF checkpoint whose tokenizer is used for text (else bytes).
+    """
+    if data is not None and data.endswith(".pt"):
+        tokens = torch.load(data, map_location="cpu", weights_only=True)
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.is_floating_point():
+            raise ValueError(f"--data {data!r} must hold a 1-D integer tensor of token ids, got "
+                             f"{type(tokens).__name__} {getattr(tokens, 'shape', '')}")
+        return tokens.long()
+    if data is None:
+        text = default_text()
+    else:
+        if not os.path.isfile(data):
+            raise FileNotFoundError(f"--data {data!r} does not exist; pass a UTF-8 text file or a .pt "
+                                    "file of token ids (or omit --data for the built-in corpus)")
+        with open(data, encoding="utf-8") as f:
+            text = f.read()
+    if model_dir is not None:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = ByteTokenizer().encode(text)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def get_batch(tokens: torch.Tensor, *, step: int, dp_rank: int, batch_size: int, seq_len: int,
+              seed: int, bos_id: int = ByteTokenizer.bos_id) -> torch.Tensor:
+    """[batch_size, seq_len + 1] windows of `tokens`, each starting with bos, at random offsets
+    drawn from (seed, step, dp_rank). Shift for labels on the full sequence, before sharding."""
+    need = seq_len  # bos + seq_len tokens of text
+    if tokens.numel() <= need:
+        raise ValueError(f"the corpus has {tokens.numel()} tokens, fewer than --seq-len {seq_len} + 1; "
+                         "pass a longer --data or a shorter --seq-len")
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 7919 + dp_rank * 104_729)
+    starts = torch.randint(0, tokens.numel() - need, (batch_size,), generator=g)
+    rows = [torch.cat([torch.tensor([bos_id]), tokens[s:s + need]]) for s in starts.tolist()]
+    return torch.stack(rows)

@@ -1,0 +1,130 @@
+"""Process groups and the context-parallel training recipe (see docs: gemma2.md).
+
+Ranks form a dp x cp DeviceMesh with cp on adjacent ranks. All cp ranks of one dp group read the
+same batch; each keeps its zigzag shard of ids, labels and position ids. The loss on each rank is
+its local cross-entropy SUM divided by the number of valid tokens of the whole step (counted
+before sharding, summed over dp); gradients are then SUMMED over dp x cp, which makes the result
+equal the single-process loss and gradients.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from cp_softcap import sharding
+
+
+@dataclass
+class Dist:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    dp: int
+    cp: int
+    dp_rank: int
+    cp_rank: int
+    mesh: object          # DeviceMesh ("dp", "cp")
+    dp_group: object
+    cp_group: object
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pick_device(local_rank: int, local_world: int, want: str = "auto"):
+    """(device, backend): NCCL on this rank's GPU when every local rank can have one, else gloo on
+    CPU. want: "auto" | "cpu" | "cuda"."""
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if want not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {want!r}")
+    if want == "cuda" and n_gpu < local_world:
+        raise RuntimeError(f"--device cuda with {local_world} ranks on this node but {n_gpu} GPU(s); "
+                           f"use --nproc-per-node {max(n_gpu, 1)} or --device cpu")
+    if want != "cpu" and n_gpu >= local_world and n_gpu > 0:
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def init(cp: Optional[int] = None, device: str = "auto") -> Dist:
+    """Initialise torch.distributed from torchrun's env (or as a 1-rank world when run plainly)
+    and build the dp x cp mesh. cp None = all ranks do context parallelism (dp = 1)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if "RANK" not in os.environ:      # plain `python train.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    dev, backend = pick_device(local_rank, local_world, device)
+    cp = world if cp is None else cp
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1 or world % cp != 0:
+        raise ValueError(f"--cp {cp} must be a positive divisor of the world size {world} "
+                         f"(dp = world / cp); e.g. --cp {world} or --cp 1")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, device_id=dev if backend == "nccl" else None)
+    mesh = init_device_mesh(dev.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
+    return Dist(rank=rank, world=world, local_rank=local_rank, device=dev, backend=backend,
+                dp=world // cp, cp=cp, dp_rank=mesh.get_local_rank("dp"),
+                cp_rank=mesh.get_local_rank("cp"), mesh=mesh, dp_group=mesh.get_group("dp"),
+                cp_group=mesh.get_group("cp"))
+
+
+def shard_batch(tokens: torch.Tensor, cp: int, cp_rank: int):
+    """tokens [B, S+1] (the same on all cp ranks) -> (inputs, labels, positions), each [B, S/cp]:
+    labels are shifted on the full sequence first, then all three get the same zigzag shard."""
+    inp, lab = tokens[:, :-1], tokens[:, 1:]
+    pos = torch.arange(inp.shape[1], device=tokens.device).expand_as(inp)
+    sharding.check_divisible(inp.shape[1], cp, what="--seq-len", rank=cp_rank)
+    return (sharding.shard(inp, cp, cp_rank), sharding.shard(lab, cp, cp_rank),
+            sharding.shard(pos, cp, cp_rank))
+
+
+def count_valid(labels_full: torch.Tensor, d: Dist) -> torch.Tensor:
+    """Valid (!= -100) labels of the whole step: this dp group's full batch, summed over dp."""
+    n = (labels_full != -100).sum().to(d.device, torch.float64)
+    if d.dp > 1:
+        dist.all_reduce(n, group=d.dp_group)
+    return n
+
+
+def sum_grads(params, group=None) -> None:
+    """SUM every gradient over `group` (default: the whole dp x cp world), in one flat buffer."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def loss_and_grads(model, tokens: torch.Tensor, d: Dist, autocast=None) -> torch.Tensor:
+    """One step's forward+backward with the CP recipe. tokens [B, S+1]: this dp group's batch.
+    Leaves the SUMMED (dp x cp) gradients in .grad; returns the global mean loss (a 0-d tensor)."""
+    from .model import loss_sum
+
+    inp, lab, pos = (t.to(d.device) for t in shard_batch(tokens, d.cp, d.cp_rank))
+    n_valid = count_valid(tokens[:, 1:], d)
+    ctx = autocast if autocast is not None else torch.autocast(d.device.type, enabled=False)
+    with ctx:
+        logits = model(inp, pos)
+    loss = loss_sum(logits, lab) / n_valid.to(torch.float32)
+    loss.backward()
+    sum_grads([p for p in model.parameters()])
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total
