@@ -18,7 +18,7 @@ class _KernelAttention(torch.autograd.Function):
         out, lse = kernel.forward(q, k, v, scale=scale, softcap=softcap, window=window)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kernel, ctx.scale, ctx.softcap, ctx.window = kernel, scale, softcap, window
-        return out, lse
+        return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):

@@ -4,10 +4,13 @@ Every kernel (one file each in this package) subclasses `Kernel` and implements:
 
     forward(q, k, v, *, scale, softcap, window) -> (out, lse)
         q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]   (Hq % Hkv == 0, GQA not expanded)
-        out [B, Sq, Hq, D] in the input dtype; lse [B, Hq, Sq] float32 natural log,
+        out [B, Sq, Hq, D] in the input dtype, or float32/float64 (the accumulation dtype) for
+        kernels that have it unrounded (torch): callers cast once; lse [B, Hq, Sq] float32 natural log,
         contiguous, -inf for a row that sees no key.
     backward(dout, q, k, v, out, lse, *, scale, softcap, window, dlse=None) -> (dq, dk, dv)
-        out/lse are the FINAL merged values of the whole row (exact for ring attention).
+        out/lse are the FINAL merged values of the whole row (exact for ring attention);
+        out may be float32 (the CP merge's accumulator): adapters whose kernel needs the input
+        dtype cast it, pure-PyTorch paths use it as is for a more exact D = rowsum(dO * O).
         Gradients are float32 for float32/16-bit inputs (float64 for float64) so callers can
         accumulate without rounding; callers cast once.
 

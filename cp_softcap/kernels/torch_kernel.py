@@ -1,4 +1,9 @@
-"""`torch`: the pure-PyTorch kernel. Runs everywhere (CPU included), any float dtype, with
+"""`torch`: the pure-PyTorch kernel.
+
+Its output stays in the float32 (float64) accumulation dtype: callers cast once, the CP merge
+gets unrounded partials, and the backward's D = rowsum(dO * O) uses the unrounded O (with a
+16-bit O, near one-hot softcapped rows lose their gradient: measured dq error 0.14 vs 0.003).
+ Runs everywhere (CPU included), any float dtype, with
 softcap, windows, causal, GQA and empty rows, forward and backward (with dLSE).
 
 Memory is bounded by blocking: queries in blocks of `block_q`, keys in blocks of `block_k`, with
@@ -103,7 +108,7 @@ class TorchKernel(Kernel):
         lse_out = lse.reshape(b, hq, sq)
         if acc == torch.float32:
             lse_out = lse_out.contiguous()
-        return _heads_unview(out).to(q.dtype), lse_out
+        return _heads_unview(out), lse_out
 
     def backward(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
                  window: Window, dlse: Optional[torch.Tensor] = None):

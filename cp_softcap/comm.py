@@ -1,0 +1,121 @@
+"""Communication for the CP algorithms: async point-to-point exchange, timeouts that turn a
+missing rank into an error, host staging for gloo + CUDA, and byte counters.
+
+gloo cannot send CUDA tensors point-to-point, so when the group's backend is gloo and tensors
+live on CUDA, sends copy to host first and receives land in host buffers copied back after the
+wait (a debug/testing mode that lets several ranks share one GPU; NCCL is the production path).
+"""
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from datetime import timedelta
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def timeout_s() -> float:
+    """Seconds a CP collective may wait for a peer (env CP_SOFTCAP_TIMEOUT, default 120)."""
+    raw = os.environ.get("CP_SOFTCAP_TIMEOUT", "")
+    try:
+        value = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"CP_SOFTCAP_TIMEOUT must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"CP_SOFTCAP_TIMEOUT must be positive, got {value}")
+    return value
+
+
+class ByteCounter:
+    """Bytes this rank sent, per operation name. `with counting() as c:` scopes a measurement."""
+
+    def __init__(self):
+        self.sent: Dict[str, int] = defaultdict(int)
+
+    def add(self, op: str, tensor: torch.Tensor) -> None:
+        self.sent[op] += tensor.numel() * tensor.element_size()
+
+    def total(self) -> int:
+        return sum(self.sent.values())
+
+
+_COUNTERS: List[ByteCounter] = []
+
+
+class counting:
+    def __enter__(self) -> ByteCounter:
+        self.counter = ByteCounter()
+        _COUNTERS.append(self.counter)
+        return self.counter
+
+    def __exit__(self, *exc):
+        _COUNTERS.remove(self.counter)
+
+
+def count(op: str, tensor: torch.Tensor) -> None:
+    for c in _COUNTERS:
+        c.add(op, tensor)
+
+
+def needs_staging(group, tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda and dist.get_backend(group) == "gloo"
+
+
+def wait(work, op: str, group) -> None:
+    """Wait for an async work item, converting a timeout into an actionable error."""
+    limit = timeout_s()
+    try:
+        ok = work.wait(timedelta(seconds=limit))
+    except RuntimeError as e:
+        raise RuntimeError(_timeout_message(op, group, limit, e)) from e
+    if ok is False:
+        raise RuntimeError(_timeout_message(op, group, limit, "wait returned False"))
+
+
+def _timeout_message(op: str, group, limit: float, cause) -> str:
+    rank = dist.get_rank(group)
+    return (f"cp_softcap: {op} on CP rank {rank} (global rank {dist.get_rank()}) failed or timed out "
+            f"after {limit:.0f}s ({cause}). A peer rank probably died, stalled, or did not call the "
+            "same attention layer; every rank of the CP group must call it in the same order with "
+            "the same shapes. Raise CP_SOFTCAP_TIMEOUT if the peers are just slow.")
+
+
+class Exchange:
+    """One step's point-to-point traffic: optional send to a peer and optional receive from one.
+    Peers are ranks within `group`. Post with start(); wait() returns the received tensor."""
+
+    def __init__(self, group, op: str):
+        self.group, self.op = group, op
+        self.works: list = []
+        self.recv_buf: Optional[torch.Tensor] = None
+        self.recv_target: Optional[torch.Tensor] = None
+        self._keep_alive: list = []
+
+    def start(self, send: Optional[torch.Tensor], send_to: Optional[int],
+              recv_like: Optional[torch.Tensor], recv_from: Optional[int]) -> "Exchange":
+        ops = []
+        if send is not None and send_to is not None:
+            buf = send.detach().cpu() if needs_staging(self.group, send) else send.detach().contiguous()
+            self._keep_alive.append(buf)
+            count(self.op, buf)
+            ops.append(dist.P2POp(dist.isend, buf, dist.get_global_rank(self.group, send_to), self.group))
+        if recv_like is not None and recv_from is not None:
+            self.recv_target = torch.empty_like(recv_like, memory_format=torch.contiguous_format)
+            staged = needs_staging(self.group, recv_like)
+            self.recv_buf = torch.empty(recv_like.shape, dtype=recv_like.dtype) if staged else self.recv_target
+            ops.append(dist.P2POp(dist.irecv, self.recv_buf, dist.get_global_rank(self.group, recv_from), self.group))
+        if ops:
+            self.works = dist.batch_isend_irecv(ops)
+        return self
+
+    def wait(self) -> Optional[torch.Tensor]:
+        for w in self.works:
+            wait(w, self.op, self.group)
+        self.works, self._keep_alive = [], []
+        if self.recv_target is not None and self.recv_buf is not self.recv_target:
+            self.recv_target.copy_(self.recv_buf, non_blocking=False)
+        return self.recv_target

@@ -1,0 +1,69 @@
+"""Fail fast instead of hanging: on the first call per (group, local signature), every rank
+exchanges a small vector describing its call and raises, on every rank, naming the ranks and
+values that differ. A rank that never arrives becomes a timeout error (comm.wait)."""
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..comm import wait
+from ..spec import COMM_TYPES, AttnSpec
+
+FIELDS = ("batch", "local seq len", "query heads", "kv heads", "head dim", "v head dim",
+          "dtype", "device type", "softcap", "window left", "window right", "causal", "scale",
+          "comm", "backend", "kv seq len")
+_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+_BACKENDS = ("auto", "fa2", "fa3", "fa4", "flex", "sdpa", "torch")
+_CHECKED: Dict[Tuple, bool] = {}
+
+
+def _encode(q, k, v, spec: AttnSpec, backend: str) -> Tuple[float, ...]:
+    left, right = spec.window
+    return (q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3],
+            _DTYPE_CODES.get(q.dtype, -1), 1 if q.is_cuda else 0, spec.softcap or 0.0,
+            -1 if left is None else left, -1 if right is None else right, float(spec.causal),
+            spec.scale, COMM_TYPES.index(spec.comm),
+            _BACKENDS.index(backend) if backend in _BACKENDS else -1, k.shape[1])
+
+
+def _decode(field: str, value: float):
+    if field == "dtype":
+        return {c: str(d).replace("torch.", "") for d, c in _DTYPE_CODES.items()}.get(int(value), "?")
+    if field == "comm":
+        return COMM_TYPES[int(value)]
+    if field == "backend":
+        return _BACKENDS[int(value)] if value >= 0 else "?"
+    if field == "device type":
+        return "cuda" if value else "cpu"
+    if field in ("window left", "window right"):
+        return None if value < 0 else int(value)
+    if field == "softcap":
+        return None if value == 0 else value
+    return value if field == "scale" else int(value)
+
+
+def check_signature(group, q, k, v, spec: AttnSpec, backend: str) -> None:
+    """Raise ValueError on every rank if the ranks of `group` disagree on the call."""
+    local = _encode(q, k, v, spec, backend)
+    key = (id(group), local)
+    if key in _CHECKED:
+        return
+    device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    mine = torch.tensor(local, dtype=torch.float64, device=device)
+    cp = dist.get_world_size(group)
+    everyone = [torch.empty_like(mine) for _ in range(cp)]
+    wait(dist.all_gather(everyone, mine, group=group, async_op=True), "the CP call-signature check", group)
+    table = torch.stack(everyone).cpu()
+    diffs = []
+    for col, field in enumerate(FIELDS):
+        values = table[:, col]
+        if not torch.all(values == values[0]):
+            per_rank = ", ".join(f"rank {r}: {_decode(field, values[r].item())}" for r in range(cp))
+            diffs.append(f"{field} differs ({per_rank})")
+    if diffs:
+        raise ValueError(f"cp_softcap: the ranks of the CP group called attention differently "
+                         f"(seen on rank {dist.get_rank(group)}): " + "; ".join(diffs) +
+                         ". Every CP rank must pass shards of the same shape, dtype and options.")
+    _CHECKED[key] = True

@@ -1,0 +1,128 @@
+"""Zigzag chunk-pair geometry: which (query rows, key range, local window) each rank computes
+against each other rank's K/V. Pure integer arithmetic, shared by every CP algorithm.
+
+A rank's local sequence is 2c tokens: chunk a = global chunk r (local rows 0..c) and chunk
+b = global chunk 2cp-1-r (local rows c..2c). For every (Q chunk, KV chunk) pair we trim the
+exact visible bounding box under the global rule  i - left <= j <= i + right  and convert the
+window to the kernel contract's bottom-right aligned local window (kernels.md):
+    d = (oq - ok) - (Sk - Sq);  left' = left - d;  right' = right + d.
+Trimming guarantees left', right' >= 0 and that every kept row sees at least one key, so any
+kernel that supports windows can serve the pair; pairs that see nothing are dropped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional, Tuple
+
+from .spec import Window
+
+
+@dataclass(frozen=True)
+class PairCall:
+    """One kernel call: local query rows [q0, q1) x source-rank local keys [k0, k1)."""
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    window: Window
+
+    @property
+    def full(self) -> bool:
+        return self.window == (None, None)
+
+    def area(self) -> int:
+        """Visible (query, key) pairs: the work this call does, for load statistics."""
+        sq, sk = self.q1 - self.q0, self.k1 - self.k0
+        left, right = self.window
+        shift = sk - sq
+        total = 0
+        for i in range(sq):
+            lo = 0 if left is None else max(0, i + shift - left)
+            hi = sk - 1 if right is None else min(sk - 1, i + shift + right)
+            total += max(0, hi - lo + 1)
+        return total
+
+
+def _normalize(window: Window, sq: int, sk: int) -> Window:
+    """Sides wide enough to hide nothing become None (unbounded)."""
+    left, right = window
+    if left is not None and left >= sk - 1:
+        left = None
+    if right is not None and right >= sq - 1:
+        right = None
+    return (left, right)
+
+
+def plan_pair(oq: int, sq: int, ok: int, sk: int, window: Window
+              ) -> Optional[Tuple[int, int, int, int, Window]]:
+    """Trim the pair (queries at global oq..oq+sq, keys at ok..ok+sk) to its visible box.
+
+    Returns (q0, q1, k0, k1, local_window) relative to the chunks' starts, or None if no query
+    sees any key.
+    """
+    left, right = window
+    qa, qb = oq, oq + sq - 1
+    if right is not None:
+        qa = max(qa, ok - right)
+    if left is not None:
+        qb = min(qb, ok + sk - 1 + left)
+    if qa > qb:
+        return None
+    ka, kb = ok, ok + sk - 1
+    if left is not None:
+        ka = max(ka, qa - left)
+    if right is not None:
+        kb = min(kb, qb + right)
+    if ka > kb:
+        return None
+    n_q, n_k = qb - qa + 1, kb - ka + 1
+    d = (qa - ka) - (n_k - n_q)
+    local = (None if left is None else left - d, None if right is None else right + d)
+    return qa - oq, qb - oq + 1, ka - ok, kb - ok + 1, _normalize(local, n_q, n_k)
+
+
+@lru_cache(maxsize=4096)
+def plan_step(cp: int, q_rank: int, kv_rank: int, chunk: int, window: Window) -> Tuple[PairCall, ...]:
+    """Kernel calls for rank q_rank's queries against rank kv_rank's K/V (zigzag layout).
+
+    Fuses pairs into fewer, larger calls where the result is identical: the causal diagonal as
+    one causal call; full pairs sharing a KV chunk (or a Q chunk) as one call.
+    """
+    q_chunks = (q_rank, 2 * cp - 1 - q_rank)
+    k_chunks = (kv_rank, 2 * cp - 1 - kv_rank)
+    if q_rank == kv_rank and window == (None, 0):
+        return (PairCall(0, 2 * chunk, 0, 2 * chunk, (None, 0)),)
+    pairs = {}
+    for qi, qc in enumerate(q_chunks):
+        for ki, kc in enumerate(k_chunks):
+            p = plan_pair(qc * chunk, chunk, kc * chunk, chunk, window)
+            if p is not None:
+                q0, q1, k0, k1, w = p
+                pairs[(qi, ki)] = PairCall(q0 + qi * chunk, q1 + qi * chunk, k0 + ki * chunk,
+                                           k1 + ki * chunk, w)
+
+    def whole(qi, ki):
+        p = pairs.get((qi, ki))
+        return p is not None and p.full and p.q1 - p.q0 == chunk and p.k1 - p.k0 == chunk
+
+    if all(whole(qi, ki) for qi in (0, 1) for ki in (0, 1)):
+        return (PairCall(0, 2 * chunk, 0, 2 * chunk, (None, None)),)
+    calls = []
+    for ki in (0, 1):   # both Q chunks fully see one KV chunk
+        if whole(0, ki) and whole(1, ki):
+            calls.append(PairCall(0, 2 * chunk, ki * chunk, (ki + 1) * chunk, (None, None)))
+            del pairs[(0, ki)], pairs[(1, ki)]
+    for qi in (0, 1):   # one Q chunk fully sees both KV chunks
+        if whole(qi, 0) and whole(qi, 1):
+            calls.append(PairCall(qi * chunk, (qi + 1) * chunk, 0, 2 * chunk, (None, None)))
+            del pairs[(qi, 0)], pairs[(qi, 1)]
+    calls.extend(pairs[key] for key in sorted(pairs))
+    return tuple(calls)
+
+
+@lru_cache(maxsize=256)
+def needs(cp: int, chunk: int, window: Window) -> Tuple[Tuple[bool, ...], ...]:
+    """needs[q_rank][kv_rank]: whether q_rank's queries see any of kv_rank's keys."""
+    return tuple(tuple(bool(plan_step(cp, q, kv, chunk, window)) for kv in range(cp))
+                 for q in range(cp))
