@@ -33,6 +33,7 @@ class Dist:
     mesh: object          # DeviceMesh ("dp", "cp")
     dp_group: object
     cp_group: object
+    grad_group: object = None   # the dp x cp ranks that share one model (None = the whole world)
 
 
 def _free_port() -> int:
@@ -59,36 +60,47 @@ def pick_device(local_rank: int, local_world: int, want: str = "auto"):
 def init(cp: Optional[int] = None, device: str = "auto") -> Dist:
     """Initialise torch.distributed from torchrun's env (or as a 1-rank world when run plainly)
     and build the dp x cp mesh. cp None = all ranks do context parallelism (dp = 1)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     if "RANK" not in os.environ:      # plain `python train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    dev, backend = pick_device(local_rank, local_world, device)
+    dev, backend = pick_device(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, device_id=dev if backend == "nccl" else None)
+    return make_dist(cp, dev)
+
+
+def make_dist(cp: Optional[int], dev: torch.device) -> Dist:
+    """The dp x cp DeviceMesh over the initialised world (cp on adjacent ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world, rank = dist.get_world_size(), dist.get_rank()
     cp = world if cp is None else cp
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1 or world % cp != 0:
         raise ValueError(f"--cp {cp} must be a positive divisor of the world size {world} "
                          f"(dp = world / cp); e.g. --cp {world} or --cp 1")
-    if not dist.is_initialized():
-        dist.init_process_group(backend, device_id=dev if backend == "nccl" else None)
     mesh = init_device_mesh(dev.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
-    return Dist(rank=rank, world=world, local_rank=local_rank, device=dev, backend=backend,
-                dp=world // cp, cp=cp, dp_rank=mesh.get_local_rank("dp"),
+    return Dist(rank=rank, world=world, local_rank=int(os.environ.get("LOCAL_RANK", 0)), device=dev,
+                backend=dist.get_backend(), dp=world // cp, cp=cp, dp_rank=mesh.get_local_rank("dp"),
                 cp_rank=mesh.get_local_rank("cp"), mesh=mesh, dp_group=mesh.get_group("dp"),
                 cp_group=mesh.get_group("cp"))
 
 
-def shard_batch(tokens: torch.Tensor, cp: int, cp_rank: int):
+def shard_batch(tokens: torch.Tensor, cp: int, cp_rank: int, pad_id: Optional[int] = None):
     """tokens [B, S+1] (the same on all cp ranks) -> (inputs, labels, positions), each [B, S/cp]:
-    labels are shifted on the full sequence first, then all three get the same zigzag shard."""
-    inp, lab = tokens[:, :-1], tokens[:, 1:]
+    labels are shifted on the full sequence first (labels equal to pad_id become -100), then all
+    three get the same zigzag shard."""
+    inp, lab = tokens[:, :-1], labels_of(tokens, pad_id)
     pos = torch.arange(inp.shape[1], device=tokens.device).expand_as(inp)
     sharding.check_divisible(inp.shape[1], cp, what="--seq-len", rank=cp_rank)
     return (sharding.shard(inp, cp, cp_rank), sharding.shard(lab, cp, cp_rank),
             sharding.shard(pos, cp, cp_rank))
+
+
+def labels_of(tokens: torch.Tensor, pad_id: Optional[int] = None) -> torch.Tensor:
+    """tokens [B, S+1] -> next-token labels [B, S], pad_id masked to -100."""
+    lab = tokens[:, 1:]
+    return lab if pad_id is None else lab.masked_fill(lab == pad_id, -100)
 
 
 def count_valid(labels_full: torch.Tensor, d: Dist) -> torch.Tensor:
@@ -112,19 +124,21 @@ def sum_grads(params, group=None) -> None:
         offset += g.numel()
 
 
-def loss_and_grads(model, tokens: torch.Tensor, d: Dist, autocast=None) -> torch.Tensor:
-    """One step's forward+backward with the CP recipe. tokens [B, S+1]: this dp group's batch.
-    Leaves the SUMMED (dp x cp) gradients in .grad; returns the global mean loss (a 0-d tensor)."""
+def loss_and_grads(model, tokens: torch.Tensor, d: Dist, autocast=None,
+                   pad_id: Optional[int] = None) -> torch.Tensor:
+    """One step's forward+backward with the CP recipe. tokens [B, S+1]: this dp group's batch
+    (pad_id tokens are not predicted). Leaves the SUMMED (dp x cp) gradients in .grad; returns
+    the global mean loss over valid tokens (a 0-d tensor, the same on every rank)."""
     from .model import loss_sum
 
-    inp, lab, pos = (t.to(d.device) for t in shard_batch(tokens, d.cp, d.cp_rank))
-    n_valid = count_valid(tokens[:, 1:], d)
+    inp, lab, pos = (t.to(d.device) for t in shard_batch(tokens, d.cp, d.cp_rank, pad_id))
+    n_valid = count_valid(labels_of(tokens, pad_id), d)
     ctx = autocast if autocast is not None else torch.autocast(d.device.type, enabled=False)
     with ctx:
         logits = model(inp, pos)
     loss = loss_sum(logits, lab) / n_valid.to(torch.float32)
     loss.backward()
-    sum_grads([p for p in model.parameters()])
+    sum_grads([p for p in model.parameters()], d.grad_group)
     total = loss.detach().clone()
-    dist.all_reduce(total)
+    dist.all_reduce(total, group=d.grad_group)
     return total

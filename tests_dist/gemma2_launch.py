@@ -1,0 +1,108 @@
+"""Launch torchrun (python -m torch.distributed.run) as a subprocess for the gemma2 tests: a free
+port from the OS, one thread per rank, a hard timeout, the whole process group killed on
+failure, and the failing rank's output in the assertion message."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import List, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "examples", "gemma2", "train.py")
+WORKERS = os.path.join(ROOT, "tests_dist", "gemma2_workers.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CP_SOFTCAP_TIMEOUT="60")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def _failing_rank_output(out: str) -> str:
+    """torchrun --tee prefixes each line with [default<rank>]; show the ranks that raised."""
+    bad = sorted(set(re.findall(r"\[default(\d+)\]:Traceback", out)))
+    if not bad:
+        return out[-6000:]
+    parts = []
+    for r in bad[:2]:
+        lines = [ln for ln in out.splitlines() if ln.startswith(f"[default{r}]:")]
+        parts.append(f"--- rank {r} ---\n" + "\n".join(lines[-80:]))
+    return "\n".join(parts)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
+
+
+def torchrun_args(nproc: int, *, nnodes: int = 1, endpoint: Optional[str] = None,
+                  rdzv_id: str = "gemma2-test") -> List[str]:
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--tee", "3"]
+    if nnodes == 1:
+        return args + ["--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    return args + ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                   "--rdzv-id", rdzv_id]
+
+
+def start(cmd: Sequence[str], cwd: str = ROOT) -> subprocess.Popen:
+    """Start `cmd` in its own session (so its process group can be killed); output to a temp file."""
+    log = tempfile.TemporaryFile(mode="w+")
+    p = subprocess.Popen(list(cmd), cwd=cwd, env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True)
+    p.log = log
+    return p
+
+
+def _read(p: subprocess.Popen) -> str:
+    p.log.seek(0)
+    return p.log.read()
+
+
+def finish(procs: Sequence[subprocess.Popen], timeout: float, what: str) -> List[str]:
+    """Wait for every process (shared deadline). When one fails or time runs out, kill all of
+    them and fail with the failing rank's output. Returns each process's combined output."""
+    import pytest
+
+    deadline = time.monotonic() + timeout
+    failed = None
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
+        if failed is not None or all(c == 0 for c in codes) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    timed_out = failed is None and not all(p.poll() == 0 for p in procs)
+    for p in procs:
+        if p.poll() is None:
+            _kill(p)
+    outs = [_read(p) for p in procs]
+    for p in procs:
+        p.log.close()
+    if failed is not None:
+        pytest.fail(f"{what}: process {failed} exited with {procs[failed].returncode}\n"
+                    f"{_failing_rank_output(outs[failed])}", pytrace=False)
+    if timed_out:
+        pytest.fail(f"{what}: timed out after {timeout:.0f}s; all processes killed\n"
+                    + "\n".join(o[-3000:] for o in outs), pytrace=False)
+    return outs
+
+
+def run(nproc: int, script: str, args: Sequence[str], timeout: float, what: str) -> str:
+    """One torchrun of `script args` on `nproc` local ranks; returns its output."""
+    p = start(torchrun_args(nproc) + [script, *args])
+    return finish([p], timeout, what)[0]

@@ -1,0 +1,157 @@
+"""Workers for tests_dist/test_gemma2_*.py, run under torchrun (gloo, CPU):
+
+    python -m torch.distributed.run --nproc-per-node 4 tests_dist/gemma2_workers.py recipe OUT.json
+    python -m torch.distributed.run --nproc-per-node 4 tests_dist/gemma2_workers.py hf OUT.json
+
+Each rank compares its CP result against the full model run on one process (computed locally on
+every rank from the same seed) and rank 0 writes the worst relative errors to OUT.json.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import cp_softcap as cps  # noqa: E402
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def randomize(model, scale=0.15):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if "norm" in name else scale))
+
+
+def worst_over_ranks(errs: dict) -> dict:
+    out = {}
+    for k, v in errs.items():
+        t = torch.tensor([v], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out[k] = t.item()
+    return out
+
+
+def recipe(out_path: str) -> None:
+    """examples/gemma2 training step with (dp, cp) = (4,1), (2,2), (1,4) and cp=2 alone on
+    subgroups, vs the full model on one process: loss and every gradient."""
+    from gemma2 import parallel
+    from gemma2.config import get_config
+    from gemma2.model import Gemma2, loss_sum
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = get_config("tiny", num_hidden_layers=2, sliding_window=16, attn_logit_softcapping=5.0)
+    torch.manual_seed(0)
+    ref = Gemma2(cfg)
+    randomize(ref)
+    seq = 64                                   # > sliding window 16; multiple of 2 * 4
+    tokens = torch.randint(3, cfg.vocab_size, (4, seq + 1))
+    tokens[1, -5:] = 0                         # padding (not predicted): the token count matters
+    lab = parallel.labels_of(tokens, pad_id=0)
+    ref_loss = loss_sum(ref(tokens[:, :-1]), lab) / (lab != -100).sum()
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+
+    def check(d, rows, name):
+        model = Gemma2(cfg, d.cp_group)
+        model.load_state_dict(ref.state_dict())
+        loss = parallel.loss_and_grads(model, tokens[rows].clone(), d, pad_id=0)
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        bad = [n for n, g in grads.items() if g is None or not torch.isfinite(g).all()]
+        if bad or not torch.isfinite(loss):
+            raise AssertionError(f"{name}: non-finite loss/grads on rank {rank}: {bad}")
+        return {f"{name} loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+                f"{name} grads": max(rel(grads[n], ref_grads[n]) for n in grads)}
+
+    errs = {}
+    for dp, cp in ((4, 1), (2, 2), (1, 4)):
+        d = parallel.make_dist(cp, torch.device("cpu"))
+        per = 4 // dp
+        errs.update(check(d, slice(d.dp_rank * per, (d.dp_rank + 1) * per), f"dp{dp}xcp{cp}"))
+    # cp = 2 alone: ranks {0,1} and {2,3} each run the whole batch as an independent cp=2 job
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    g = groups[rank // 2]
+    d = parallel.Dist(rank=rank, world=world, local_rank=rank, device=torch.device("cpu"), backend="gloo",
+                      dp=1, cp=2, dp_rank=0, cp_rank=rank % 2, mesh=None, dp_group=None, cp_group=g,
+                      grad_group=g)
+    errs.update(check(d, slice(0, 4), "cp2"))
+    # negative control: without the window on sliding layers the CP result must differ
+    model = Gemma2(cfg, groups[rank // 2])
+    model.load_state_dict(ref.state_dict())
+    for layer in model.model.layers:
+        layer.self_attn.attn.window = (None, 0)
+    neg = parallel.loss_and_grads(model, tokens.clone(), d, pad_id=0)
+    errs["control: no window, loss"] = abs(neg.item() - ref_loss.item()) / abs(ref_loss.item())
+    errs = worst_over_ranks(errs)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(errs, f, indent=1)
+
+
+def hf(out_path: str) -> None:
+    """HF Gemma2ForCausalLM with attn_implementation="cp_softcap" under CP 2 and 4 vs eager on
+    one process: sharded logits, loss (HF's own loss with shift_labels) and gradients."""
+    import transformers
+    from cp_softcap.integrations.hf import use_cp_group
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hcfg = transformers.Gemma2Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=12, sliding_window=12,
+        attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
+    torch.manual_seed(0)
+    eager = transformers.Gemma2ForCausalLM._from_config(copy.deepcopy(hcfg), attn_implementation="eager")
+    randomize(eager, scale=0.5)
+    seq = 48
+    ids = torch.randint(0, 97, (2, seq + 1))
+    inp, lab = ids[:, :-1], ids[:, 1:].contiguous()
+    ref = eager(input_ids=inp, labels=inp.clone(), shift_labels=lab)
+    ref.loss.backward()
+    ref_grads = {n: p.grad for n, p in eager.named_parameters()}
+    n_valid = torch.tensor(lab.numel())
+    groups2 = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    errs = {}
+    for cp, group in ((2, groups2[rank // 2]), (4, dist.group.WORLD)):
+        r = dist.get_rank(group)
+        model = transformers.Gemma2ForCausalLM._from_config(copy.deepcopy(hcfg), attn_implementation="cp_softcap")
+        model.load_state_dict(eager.state_dict())
+        use_cp_group(group)
+        loc_lab = cps.sharding.shard(lab, cp, r).contiguous()
+        out = model(input_ids=cps.sharding.shard(inp, cp, r), position_ids=cps.sharding.positions(seq, cp, r)[None],
+                    labels=loc_lab, shift_labels=loc_lab, num_items_in_batch=n_valid)
+        out.loss.backward()
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss, group=group)
+        logits = cps.sharding.gather(out.logits.detach(), group)
+        grads = {}
+        for n, p in model.named_parameters():
+            dist.all_reduce(p.grad, group=group)
+            grads[n] = p.grad
+        errs[f"cp{cp} logits"] = rel(logits, ref.logits)
+        errs[f"cp{cp} loss"] = abs(loss.item() - ref.loss.item()) / abs(ref.loss.item())
+        errs[f"cp{cp} grads"] = max(rel(grads[n], ref_grads[n]) for n in grads)
+    use_cp_group(None)
+    errs = worst_over_ranks(errs)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(errs, f, indent=1)
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    try:
+        {"recipe": recipe, "hf": hf}[sys.argv[1]](sys.argv[2])
+    finally:
+        dist.destroy_process_group()
