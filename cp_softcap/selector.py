@@ -65,6 +65,8 @@ RULES: Tuple[Rule, ...] = (
          lambda s, k: "has no deterministic backward and torch.use_deterministic_algorithms is on"),
     Rule(("fa3",), lambda s, k: os.environ.get("CP_SOFTCAP_FA3") != "1",
          lambda s, k: "opt-in only: set CP_SOFTCAP_FA3=1 (single device, never under CP)"),
+    Rule(("fa3",), lambda s, k: s.cp_size > 1,
+         lambda s, k: f"never under context parallelism (cp={s.cp_size}): the mission excludes FA3 there"),
 )
 
 
@@ -101,7 +103,7 @@ def rejection(name: str, spec: AttnSpec) -> Optional[str]:
         return f"probe failed: {type(e).__name__}: {e}"
 
 
-_SELECTIONS: Dict[Tuple[AttnSpec, Optional[str]], Selection] = {}
+_SELECTIONS: Dict[Tuple[AttnSpec, Optional[str], bool], Selection] = {}
 
 
 def requested_backend(backend: Optional[str]) -> Optional[str]:
@@ -119,7 +121,7 @@ def select(spec: AttnSpec, backend: Optional[str] = "auto") -> Selection:
     """Pick the kernel for `spec`. Cached per (spec, backend). Raises ValueError when a forced
     backend cannot serve the spec, or when no kernel can (naming every kernel's reason)."""
     forced = requested_backend(backend)
-    key = (spec, forced)
+    key = (spec, forced, os.environ.get("CP_SOFTCAP_FA3") == "1")   # the fa3 rule reads the env
     if key in _SELECTIONS:
         return _SELECTIONS[key]
     reasons = {name: rejection(name, spec) for name in KERNEL_NAMES}
