@@ -159,9 +159,9 @@ def main(argv=None) -> None:
                 metrics.write(json.dumps(rec) + "\n")
                 metrics.flush()
             if done % args.log_every == 0 or done == stop:
+                mfu = f"MFU {100 * rec['mfu']:.2f}%" if d.device.type == "cuda" else "MFU n/a on CPU"
                 say(f"step {done:5d}/{args.max_steps} | loss {loss_v:.4f} | grad {gnorm_v:.3f} | lr {lr:.2e} | "
-                    f"{tps:,.0f} tok/s/dev | {rec['tflops']:.3f} TFLOP/s | MFU {100 * rec['mfu']:.2f}% | "
-                    f"mem {rec['memory_gb']:.2f} GB")
+                    f"{tps:,.0f} tok/s/dev | {rec['tflops']:.4f} TFLOP/s | {mfu} | mem {rec['memory_gb']:.2f} GB")
         if args.ckpt_dir and ((args.ckpt_every and done % args.ckpt_every == 0) or done == stop):
             path = checkpoint.save(args.ckpt_dir, done, model, opt, keep=args.keep)
             if lead:
