@@ -101,6 +101,20 @@ def build(args, d: parallel.Dist):
     return cfg, model, opt, tokens
 
 
+def kernel_choice(cfg, d: parallel.Dist, args, dtype: torch.dtype) -> str:
+    """The kernel cp_softcap's selector picks for the sliding and the full layers (raises, naming
+    every kernel's reason, when none can serve them)."""
+    from cp_softcap import make_spec, select
+    picks = []
+    for kind, window in (("sliding", (cfg.sliding_window - 1, 0)), ("full", None)):
+        spec = make_spec(head_dim=cfg.head_dim, num_heads=cfg.num_attention_heads,
+                         num_kv_heads=cfg.num_key_value_heads, dtype=dtype, device_type=d.device.type,
+                         softcap=cfg.attn_logit_softcapping, causal=True, window=window, scale=cfg.scale,
+                         cp_size=d.cp, comm=args.comm)
+        picks.append(f"{kind} layers -> {select(spec, args.backend).name}")
+    return ", ".join(picks)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     d = parallel.init(args.cp, args.device)
@@ -112,6 +126,9 @@ def main(argv=None) -> None:
               f"world {d.world} = dp {d.dp} x cp {d.cp} on {d.device.type}/{d.backend}, "
               f"seq {args.seq_len} ({args.seq_len // d.cp} per rank), batch {args.batch_size} per dp rank, "
               f"comm {args.comm}" + (f", resumed from step {start}" if start else ""), flush=True)
+        dtype = torch.bfloat16 if d.device.type == "cuda" else torch.float32
+        print(f"attention kernels: {kernel_choice(cfg, d, args, dtype)} "
+              "(python -m cp_softcap.select explains the choice)", flush=True)
     stop = args.max_steps if args.stop_after is None else min(args.max_steps, start + args.stop_after)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if d.device.type == "cuda"
                 else torch.autocast("cpu", enabled=False))
