@@ -169,6 +169,6 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, where: str =
         raise ValueError(f"k and v head counts differ: {k.shape[2]} vs {v.shape[2]}{at}")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"q and k head dims differ: {q.shape[3]} vs {k.shape[3]}{at}")
-    if q.shape[2] % k.shape[2] != 0:
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
         raise ValueError(f"num_heads={q.shape[2]} is not a multiple of num_kv_heads={k.shape[2]}{at}; "
                          "GQA needs Hq % Hkv == 0")
