@@ -126,10 +126,12 @@ def hf(out_path: str) -> None:
         r = dist.get_rank(group)
         model = transformers.Gemma2ForCausalLM._from_config(copy.deepcopy(hcfg), attn_implementation="cp_softcap")
         model.load_state_dict(eager.state_dict())
-        use_cp_group(group)
+        # cp=2 through use_cp_group, cp=4 through the forward kwarg cp_group=
+        use_cp_group(group if cp == 2 else None)
+        kw = {} if cp == 2 else {"cp_group": group}
         loc_lab = cps.sharding.shard(lab, cp, r).contiguous()
         out = model(input_ids=cps.sharding.shard(inp, cp, r), position_ids=cps.sharding.positions(seq, cp, r)[None],
-                    labels=loc_lab, shift_labels=loc_lab, num_items_in_batch=n_valid)
+                    labels=loc_lab, shift_labels=loc_lab, num_items_in_batch=n_valid, **kw)
         out.loss.backward()
         loss = out.loss.detach().clone()
         dist.all_reduce(loss, group=group)

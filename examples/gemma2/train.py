@@ -118,6 +118,10 @@ def kernel_choice(cfg, d: parallel.Dist, args, dtype: torch.dtype) -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     d = parallel.init(args.cp, args.device)
+    if args.seq_len % (2 * d.cp):
+        good = (args.seq_len // (2 * d.cp) + 1) * 2 * d.cp
+        raise SystemExit(f"--seq-len {args.seq_len} must be a multiple of 2*cp = {2 * d.cp} (zigzag: "
+                         f"2 chunks per CP rank); use --seq-len {good}, or a different --cp")
     cfg, model, opt, tokens = build(args, d)
     start = checkpoint.load_latest(args.ckpt_dir, model, opt)
     lead = d.rank == 0
