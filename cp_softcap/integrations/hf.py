@@ -148,7 +148,13 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
 def register(name: str = NAME) -> None:
     """Register cp_softcap_attention with transformers under `name` (done on import)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:
+        import transformers
+        raise ImportError(f"cp_softcap.integrations.hf needs transformers >= 4.53 (for "
+                          f"masking_utils.AttentionMaskInterface); found {transformers.__version__}. "
+                          "pip install -U 'transformers>=4.53'") from e
     AttentionInterface.register(name, cp_softcap_attention)
     AttentionMaskInterface.register(name, _mask_function)
 
