@@ -24,6 +24,16 @@ def _weight(lse_part: torch.Tensor, lse_total: torch.Tensor) -> torch.Tensor:
     return w.transpose(1, 2).unsqueeze(-1)
 
 
+def _fused_ok(acc_out: torch.Tensor) -> bool:
+    """CUDA float32 accumulators use the one-pass Triton merge (merge_fused.py) when triton is
+    importable; CP_SOFTCAP_FUSED_MERGE=0 forces the eager path below."""
+    try:
+        from .merge_fused import available
+    except Exception:
+        return False
+    return available(acc_out)
+
+
 def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor) -> None:
     """Merge (out, lse) into the running accumulator in place.
@@ -31,6 +41,10 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
     acc_out [B, S, H, D] float32 (or float64), acc_lse [B, H, S] same dtype family; out/lse are a
     new partial for the same rows (out in any float dtype). Views (row slices) are fine.
     """
+    if acc_out.is_cuda and _fused_ok(acc_out):
+        from .merge_fused import merge_into_fused
+        merge_into_fused(acc_out, acc_lse, out, lse)
+        return
     lse = clean_lse(lse.to(acc_lse.dtype))
     total = torch.logaddexp(acc_lse, lse)
     w_acc = _weight(acc_lse, total)
