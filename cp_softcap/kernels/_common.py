@@ -39,7 +39,9 @@ def cudnn_lse(lse: torch.Tensor) -> torch.Tensor:
 
 
 def missing_params(fn: Callable, names: Iterable[str]) -> Tuple[str, ...]:
-    """Names from `names` that `fn`'s signature lacks (empty tuple: all present)."""
+    """Names from `names` that `fn`'s signature lacks (empty tuple: all present). torch custom
+    ops (torch.library.custom_op, flash-attn >= 2.7) are unwrapped to their Python function."""
+    fn = getattr(fn, "_init_fn", fn)
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
