@@ -240,3 +240,19 @@ def test_sdpa_probe_on_cuda_spec_without_cuda():
     reason = SdpaKernel().probe(_spec(softcap=None))
     if not torch.cuda.is_available():
         assert "CUDA" in reason
+
+
+def test_fa4_exact_d_correction_through_dlse():
+    """Backward with a rounded O and the corrected dLSE equals backward with the float32 O."""
+    from cp_softcap.kernels.fa4 import exact_d_dlse
+    tk = TorchKernel()
+    q = torch.randn(1, 32, 4, 16) * 3
+    k, v = torch.randn(1, 32, 2, 16) * 3, torch.randn(1, 32, 2, 16)
+    kw = dict(scale=0.25, softcap=2.0, window=(None, 0))
+    out32, lse = tk.forward(q, k, v, **kw)
+    out_k = out32.to(torch.bfloat16).float()
+    dout = torch.randn_like(out32)
+    want = tk.backward(dout, q, k, v, out32, lse, **kw)
+    got = tk.backward(dout, q, k, v, out_k, lse, dlse=exact_d_dlse(dout, out32, out_k, None), **kw)
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=1e-5, rtol=1e-4)

@@ -13,6 +13,10 @@ separately). The softcap value is hashed into the compile key, so every distinct
 new kernels; they are cached in-process (and by FA4's own on-disk cache when enabled). Warm up
 once per cap before timing.
 
+Backward with a float32 `out` (the CP merge's accumulator): FA4 needs O in the input dtype, and
+D = rowsum(dO * O) from a rounded O loses the gradient of near one-hot softcapped rows; the
+adapter corrects D exactly through FA4's dLSE input (exact_d_dlse), at one cheap row reduction.
+
 Probe (fail closed): CUDA present; package importable; arch 8.x has no backward; sm100/sm110 with
 head dim 256 + softcap is rejected (its dedicated hd256 backward asserts softcap == 0, and has
 no dLSE); the functions must accept every keyword this adapter passes.
@@ -53,6 +57,17 @@ def fa4_rejection(arch: Optional[int], spec) -> Optional[str]:
     if spec.deterministic and spec.needs_backward and arch // 10 == 12:
         return "flash-attn-4 has no deterministic backward on sm12x"
     return None
+
+
+def exact_d_dlse(dout: torch.Tensor, out32: torch.Tensor, out_k: torch.Tensor,
+                 dlse: Optional[torch.Tensor]) -> torch.Tensor:
+    """dLSE to pass so that FA4's D = rowsum(dO * O_k) - dLSE' (O_k = O rounded to bf16/fp16)
+    equals the exact D = rowsum(dO * O) - dLSE of the unrounded float32 O the caller has:
+        dLSE' = dLSE - rowsum(dO * (O - O_k)).
+    (With a 16-bit O, near one-hot softcapped rows lose their gradient to rounding in D.)
+    dout/out [B, S, H, D] -> [B, H, S] float32."""
+    corr = (dout.float() * (out32.float() - out_k.float())).sum(-1).transpose(1, 2)
+    return (-corr if dlse is None else dlse.float() - corr).contiguous()
 
 
 class FA4Kernel(Kernel):
@@ -124,8 +139,11 @@ class FA4Kernel(Kernel):
         if mod is None:
             raise RuntimeError(self._import_reason)
         left, right = window
+        out_k, dout_k = out.to(q.dtype), dout.to(q.dtype)
+        if out.dtype != q.dtype:
+            dlse = exact_d_dlse(dout_k, out, out_k, dlse)
         dq, dk, dv = mod._flash_attn_bwd(
-            q, k, v, out.to(q.dtype), dout.to(q.dtype), lse.float().contiguous(),
+            q, k, v, out_k, dout_k, lse.float().contiguous(),
             softmax_scale=scale, causal=False, softcap=softcap_value(softcap),
             window_size_left=left, window_size_right=right,
             deterministic=torch.are_deterministic_algorithms_enabled(),

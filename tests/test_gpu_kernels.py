@@ -1,0 +1,156 @@
+"""GPU kernels (fa4, flex, sdpa, fa2, fa3) against the float64 reference, on CUDA only.
+
+Skipped at module level without CUDA. Each kernel that its probe rejects here (package missing,
+opt-in not set) is skipped with the probe's reason. Logits saturate tanh (|s| > 2*cap on most
+entries); every output and gradient is checked for NaN/inf; a negative control shows that an
+uncapped kernel would fail. Run: pytest tests/test_gpu_kernels.py -m cuda -rs
+"""
+import os
+
+import pytest
+import torch
+
+# CP_SOFTCAP_GPU_TESTS_ON_CPU=1: dry run of this file's logic on CPU with the torch kernel standing
+# in for every GPU kernel (catches test bugs before spending device minutes).
+DRY = os.environ.get("CP_SOFTCAP_GPU_TESTS_ON_CPU") == "1"
+if not torch.cuda.is_available() and not DRY:
+    pytest.skip("CUDA not available: GPU kernel tests run on the device machine "
+                "(scripts/gpu_check.sh)", allow_module_level=True)
+
+from cp_softcap.kernels import get_kernel                        # noqa: E402
+from cp_softcap.merge import merge                               # noqa: E402
+from cp_softcap.spec import make_spec                            # noqa: E402
+from cp_softcap.testing import (assert_cap_matters, check_result,  # noqa: E402
+                                saturating_qkv)
+
+pytestmark = pytest.mark.cuda
+DEV = "cpu" if DRY else "cuda"
+CAPPED = ["fa4", "flex", "fa2", "fa3"]
+
+
+def kernel_or_skip(name, dtype=torch.bfloat16, d=128, softcap=50.0, hq=4, hkv=2, backward=True,
+                   return_lse=False):
+    spec = make_spec(head_dim=d, num_heads=hq, num_kv_heads=hkv, dtype=dtype, device_type="cuda",
+                     softcap=softcap, needs_backward=backward, return_lse=return_lse)
+    k = get_kernel(name)
+    if DRY:
+        return get_kernel("sdpa" if name == "sdpa" else "torch")
+    reason = k.probe(spec)
+    if reason:
+        pytest.skip(f"{name}: {reason}")
+    return k
+
+
+def run_case(kernel, b, sq, sk, hq, hkv, d, dtype, softcap, window, dlse=False):
+    q, k, v, frac = saturating_qkv(b, sq, sk, hq, hkv, d, dtype, softcap, device=DEV,
+                                   requires_grad=False)
+    if softcap:
+        assert frac > 0.4, f"inputs do not saturate tanh ({frac:.2f})"
+    scale = d ** -0.5
+    out, lse = kernel.forward(q, k, v, scale=scale, softcap=softcap, window=window)
+    assert out.shape == (b, sq, hq, d) and out.dtype in (dtype, torch.float32)
+    assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32 and lse.is_contiguous()
+    dout = torch.randn_like(out)
+    g_lse = torch.randn_like(lse) if dlse else None
+    grads = kernel.backward(dout, q, k, v, out, lse, scale=scale, softcap=softcap, window=window,
+                            dlse=g_lse)
+    assert all(g.dtype == torch.float32 for g in grads)
+    errs = check_result(out, lse, grads, q, k, v, dout, dlse=g_lse, softcap=softcap,
+                        window=window, scale=scale, label=f"{kernel.name} {sq}x{sk} {window}")
+    if softcap:
+        assert_cap_matters(q, k, v, softcap=softcap, dtype=dtype, window=window, scale=scale, out=out)
+    return errs
+
+
+@pytest.mark.parametrize("softcap", [1.0, 5.0, 30.0, 50.0])
+@pytest.mark.parametrize("name", CAPPED)
+def test_softcap_causal_gqa_bf16(name, softcap):
+    kernel = kernel_or_skip(name, softcap=softcap)
+    run_case(kernel, 2, 256, 256, 4, 2, 128, torch.bfloat16, softcap, (None, 0))
+
+
+@pytest.mark.parametrize("name", CAPPED)
+def test_head_dim_256(name):
+    kernel = kernel_or_skip(name, d=256)
+    run_case(kernel, 1, 256, 256, 4, 2, 256, torch.bfloat16, 50.0, (None, 0))
+
+
+# Shifted, non-causal windows with Sq != Sk: what a windowed ring passes per chunk pair,
+# plus Sq > Sk causal (leading rows see no key: out 0, lse -inf).
+WINDOWS = [(256, 256, (63, 0)), (128, 256, (100, 60)), (256, 128, (150, 10)),
+           (256, 256, (31, 31)), (128, 128, (200, 0)), (256, 128, (None, 0)),
+           (128, 256, (None, None))]
+
+
+@pytest.mark.parametrize("sq,sk,window", WINDOWS)
+@pytest.mark.parametrize("name", CAPPED)
+def test_windows(name, sq, sk, window):
+    kernel = kernel_or_skip(name, softcap=30.0)
+    run_case(kernel, 1, sq, sk, 4, 2, 128, torch.bfloat16, 30.0, window)
+
+
+@pytest.mark.parametrize("name", ["fa4", "flex"])
+def test_lse_gradient(name):
+    kernel = kernel_or_skip(name, softcap=30.0, return_lse=True)
+    run_case(kernel, 1, 256, 256, 4, 2, 128, torch.bfloat16, 30.0, (None, 0), dlse=True)
+
+
+@pytest.mark.parametrize("name", ["fa4", "flex", "sdpa"])
+def test_backward_with_final_merged_lse_is_exact(name):
+    """The ring property: per-chunk backward with the FINAL merged (out, lse) sums to the
+    full-attention gradients (dK/dV of each chunk, dQ summed over chunks)."""
+    cap = None if name == "sdpa" else 30.0
+    kernel = kernel_or_skip(name, softcap=cap)
+    q, k, v, _ = saturating_qkv(1, 256, 512, 4, 2, 128, torch.bfloat16, cap, device=DEV,
+                                requires_grad=False)
+    scale, half = 128 ** -0.5, 256
+    kw = dict(scale=scale, softcap=cap)
+    # keys [0, 256) fully visible; keys [256, 512) causal with the 256 queries (bottom-right)
+    pa = kernel.forward(q, k[:, :half], v[:, :half], window=(None, None), **kw)
+    pb = kernel.forward(q, k[:, half:], v[:, half:], window=(None, 0), **kw)
+    out, lse = merge([pa, pb])                   # float32, as the ring passes it
+    dout = torch.randn_like(out).to(q.dtype)
+    ga = kernel.backward(dout, q, k[:, :half], v[:, :half], out, lse, window=(None, None), **kw)
+    gb = kernel.backward(dout, q, k[:, half:], v[:, half:], out, lse, window=(None, 0), **kw)
+    grads = (ga[0] + gb[0], torch.cat([ga[1], gb[1]], 1), torch.cat([ga[2], gb[2]], 1))
+    check_result(out, lse, grads, q, k, v, dout, softcap=cap, window=(None, 0), scale=scale,
+                 label=f"{name} two-chunk merge")
+
+
+@pytest.mark.parametrize("window", [(None, None), (None, 0)])
+@pytest.mark.parametrize("sq,sk", [(256, 256), (128, 256), (256, 128)])
+def test_sdpa_cuda_no_softcap(sq, sk, window):
+    kernel = kernel_or_skip("sdpa", softcap=None)
+    run_case(kernel, 1, sq, sk, 4, 2, 128, torch.bfloat16, None, window)
+
+
+@pytest.mark.skipif(DRY, reason="needs CUDA")
+def test_fp16_fa4_and_flex():
+    for name in ("fa4", "flex"):
+        spec = make_spec(head_dim=128, num_heads=4, num_kv_heads=2, dtype=torch.float16,
+                         device_type="cuda", softcap=50.0)
+        if get_kernel(name).probe(spec) is None:
+            run_case(get_kernel(name), 1, 256, 256, 4, 2, 128, torch.float16, 50.0, (None, 0))
+
+
+@pytest.mark.skipif(DRY, reason="needs CUDA")
+def test_selector_picks_fastest_verified_kernel_on_cuda():
+    from cp_softcap.selector import select
+    spec = make_spec(head_dim=256, num_heads=16, num_kv_heads=8, dtype=torch.bfloat16,
+                     device_type="cuda", softcap=50.0, causal=True)
+    sel = select(spec)
+    expected = "fa4" if get_kernel("fa4").probe(spec) is None else "flex"
+    assert sel.name == expected, sel.table()
+    nocap = make_spec(head_dim=256, num_heads=16, num_kv_heads=8, dtype=torch.bfloat16,
+                      device_type="cuda", softcap=None, causal=True)
+    assert select(nocap).name == "sdpa", select(nocap).table()
+
+
+def test_cps_attention_end_to_end_on_cuda():
+    import cp_softcap as cps
+    q, k, v, _ = saturating_qkv(1, 256, 256, 4, 2, 128, torch.bfloat16, 50.0, device=DEV)
+    out = cps.attention(q, k, v, softcap=50.0, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    check_result(out.detach(), None, (q.grad.float(), k.grad.float(), v.grad.float()), q, k, v,
+                 dout, softcap=50.0, causal=True, label="cps.attention")
