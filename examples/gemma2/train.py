@@ -58,9 +58,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--log-every", type=int, default=1)
     a("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    for name in ("seq_len", "batch_size", "max_steps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name, low in (("seq_len", 1), ("batch_size", 1), ("max_steps", 1), ("stop_after", 1),
+                      ("warmup", 0), ("ckpt_every", 0), ("keep", 0), ("log_every", 1)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            p.error(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
     return args
 
 
