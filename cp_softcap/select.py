@@ -51,5 +51,16 @@ def main(argv=None) -> int:
     return 0
 
 
+class _CallableModule(type(sys)):
+    """Importing this CLI module (`import cp_softcap.select`, the console script) makes Python
+    rebind the package attribute `cp_softcap.select` from the selector function to this module.
+    Delegating calls keeps `cps.select(spec, backend)` working after that import."""
+
+    def __call__(self, *args, **kwargs):
+        return select(*args, **kwargs)
+
+
 if __name__ == "__main__":
     sys.exit(main())
+else:
+    sys.modules[__name__].__class__ = _CallableModule

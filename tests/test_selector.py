@@ -302,3 +302,13 @@ def test_cli_as_module():
     bad = subprocess.run([sys.executable, "-m", "cp_softcap.select", "--softcap", "nan", "--device", "cpu"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "nan" in bad.stderr
+
+
+def test_cps_select_survives_importing_the_cli():
+    """`import cp_softcap.select` rebinds cps.select to the CLI module; it must stay callable."""
+    import importlib
+
+    import cp_softcap as cps
+    importlib.import_module("cp_softcap.select")
+    assert cps.select(spec(softcap=50.0)).name == "torch"
+    assert cps.select(spec(), "torch").forced
