@@ -43,9 +43,11 @@ def worst_over_ranks(errs: dict) -> dict:
     return out
 
 
-def recipe(out_path: str) -> None:
+def recipe(out_path: str, comms: str = "ring") -> None:
     """examples/gemma2 training step with (dp, cp) = (4,1), (2,2), (1,4) and cp=2 alone on
-    subgroups, vs the full model on one process: loss and every gradient."""
+    subgroups, vs the full model on one process: loss and every gradient. Extra comm types in
+    `comms` (comma-separated) run the (2,2) and (1,4) cases again; a2a only where kv heads
+    divide by cp."""
     from gemma2 import parallel
     from gemma2.config import get_config
     from gemma2.model import Gemma2, loss_sum
@@ -63,8 +65,8 @@ def recipe(out_path: str) -> None:
     ref_loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
 
-    def check(d, rows, name):
-        model = Gemma2(cfg, d.cp_group)
+    def check(d, rows, name, comm="ring"):
+        model = Gemma2(cfg, d.cp_group, comm=comm)
         model.load_state_dict(ref.state_dict())
         loss = parallel.loss_and_grads(model, tokens[rows].clone(), d, pad_id=0)
         grads = {n: p.grad for n, p in model.named_parameters()}
@@ -75,10 +77,16 @@ def recipe(out_path: str) -> None:
                 f"{name} grads": max(rel(grads[n], ref_grads[n]) for n in grads)}
 
     errs = {}
-    for dp, cp in ((4, 1), (2, 2), (1, 4)):
+    cases = [(4, 1, "ring"), (2, 2, "ring"), (1, 4, "ring")]
+    for comm in comms.split(","):
+        if comm != "ring":
+            cases += [(dp, cp, comm) for dp, cp in ((2, 2), (1, 4)) if comm != "a2a" or
+                      cfg.num_key_value_heads % cp == 0]
+    for dp, cp, comm in cases:
         d = parallel.make_dist(cp, torch.device("cpu"))
         per = 4 // dp
-        errs.update(check(d, slice(d.dp_rank * per, (d.dp_rank + 1) * per), f"dp{dp}xcp{cp}"))
+        tag = f"dp{dp}xcp{cp}" + ("" if comm == "ring" else f" {comm}")
+        errs.update(check(d, slice(d.dp_rank * per, (d.dp_rank + 1) * per), tag, comm))
     # cp = 2 alone: ranks {0,1} and {2,3} each run the whole batch as an independent cp=2 job
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     g = groups[rank // 2]
@@ -154,6 +162,6 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     try:
-        {"recipe": recipe, "hf": hf}[sys.argv[1]](sys.argv[2])
+        {"recipe": recipe, "hf": hf}[sys.argv[1]](*sys.argv[2:])
     finally:
         dist.destroy_process_group()
