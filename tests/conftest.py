@@ -1,7 +1,13 @@
+import os
 import zlib
 
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one intra-op thread per xdist worker: `-n 2` on 2 cores with 2 threads each oversubscribes
+    # (measured: twice the CPU time for the same tests)
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
