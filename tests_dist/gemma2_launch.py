@@ -42,7 +42,41 @@ def _failing_rank_output(out: str) -> str:
     return "\n".join(parts)
 
 
+def _descendants(pid: int) -> List[int]:
+    """Every process below `pid` (torchrun starts each worker in a session of its own, so killing
+    torchrun's process group alone would orphan them)."""
+    children: dict = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, stack = [], [pid]
+    while stack:
+        for c in children.get(stack.pop(), []):
+            out.append(c)
+            stack.append(c)
+    return out
+
+
 def _kill(proc: subprocess.Popen) -> None:
+    """SIGTERM torchrun (it stops its workers), then SIGKILL it and every worker it started."""
+    if proc.poll() is not None:
+        return
+    below = _descendants(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=5)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    for pid in [proc.pid, *below]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -80,15 +114,16 @@ def finish(procs: Sequence[subprocess.Popen], timeout: float, what: str) -> List
 
     deadline = time.monotonic() + timeout
     failed = None
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
-        if failed is not None or all(c == 0 for c in codes) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    timed_out = failed is None and not all(p.poll() == 0 for p in procs)
-    for p in procs:
-        if p.poll() is None:
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
+            if failed is not None or all(c == 0 for c in codes) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:       # also when pytest-timeout or Ctrl-C interrupts the wait
+        timed_out = failed is None and not all(p.poll() == 0 for p in procs)
+        for p in procs:
             _kill(p)
     outs = [_read(p) for p in procs]
     for p in procs:

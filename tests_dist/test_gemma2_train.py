@@ -36,12 +36,12 @@ def flat(d, prefix=""):
             yield f"{prefix}{k}", v
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(330)
 def test_resume_is_bitwise_and_skips_broken_checkpoints(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     common = SMALL + ["--max-steps", "4", "--warmup", "2"]
-    L.run(2, L.TRAIN, common + ["--ckpt-dir", a, "--metrics", a + ".jsonl"], 120, "straight run")
-    L.run(2, L.TRAIN, common + ["--ckpt-dir", b, "--metrics", b + ".jsonl", "--stop-after", "2"], 120,
+    L.run(2, L.TRAIN, common + ["--ckpt-dir", a, "--metrics", a + ".jsonl"], 100, "straight run")
+    L.run(2, L.TRAIN, common + ["--ckpt-dir", b, "--metrics", b + ".jsonl", "--stop-after", "2"], 100,
           "first half")
     # a newer half-written folder (no marker) and a newer corrupt one (truncated data file)
     shutil.copytree(os.path.join(b, "step-2"), os.path.join(b, "step-3"))
@@ -55,7 +55,7 @@ def test_resume_is_bitwise_and_skips_broken_checkpoints(tmp_path):
     victim = os.path.join(b, "step-7", "__0_0.distcp")
     with open(victim, "r+b") as f:
         f.truncate(os.path.getsize(victim) // 2)
-    out = L.run(2, L.TRAIN, common + ["--ckpt-dir", b, "--metrics", b + ".jsonl"], 120, "resumed run")
+    out = L.run(2, L.TRAIN, common + ["--ckpt-dir", b, "--metrics", b + ".jsonl"], 100, "resumed run")
     assert "resumed from step 2" in out
     assert "ignoring checkpoint" in out and "step-7" in out and "step-3" in out, out[-3000:]
     assert losses(a + ".jsonl") == losses(b + ".jsonl")          # bitwise: floats compared exactly
