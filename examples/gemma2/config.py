@@ -76,6 +76,11 @@ def from_hf_json(model_dir: str) -> Gemma2Config:
     if raw.get("model_type") not in (None, "gemma2"):
         raise ValueError(f"{path} has model_type={raw.get('model_type')!r}; this example builds Gemma2 "
                          "(model_type 'gemma2')")
+    act = raw.get("hidden_activation") or raw.get("hidden_act")
+    if act not in (None, "gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"{path}: hidden activation {act!r}; this Gemma2 implements gelu_pytorch_tanh")
+    if raw.get("attention_bias"):
+        raise ValueError(f"{path}: attention_bias=true; Gemma2 (and this model) has no attention biases")
     known = set(Gemma2Config.__dataclass_fields__)
     kw = {k: v for k, v in raw.items() if k in known and v is not None}
     rope = raw.get("rope_parameters") or {}

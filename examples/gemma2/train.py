@@ -157,7 +157,7 @@ def main(argv=None) -> None:
         for g in opt.param_groups:
             g["lr"] = lr
         batch = get_batch(tokens, step=step, dp_rank=d.dp_rank, batch_size=args.batch_size,
-                          seq_len=args.seq_len, seed=args.seed)
+                          seq_len=args.seq_len, seed=args.seed, bos_id=cfg.bos_token_id)
         loss = parallel.loss_and_grads(model, batch, d, autocast, pad_id=cfg.pad_token_id)
         max_norm = args.grad_clip if args.grad_clip > 0 else float("inf")
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
