@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# GPU tests + benchmarks on the device machine (H200), writing logs and JSON under $OUT.
+#
+#   bash scripts/gpu_check.sh all      # one call: FA4 already importable (or not needed)
+#   bash scripts/gpu_check.sh nofa4    # device call 1 (carry [".fa4a"]): env, flex/sdpa/merge
+#                                      #   tests, flex+sdpa+cuDNN kernel benchmark
+#   bash .fa4b/install.sh && bash scripts/gpu_check.sh fa4
+#                                      # device call 2 (carry [".fa4b"], right after call 1):
+#                                      #   FA4 tests, FA4 kernel benchmark, cp_sim
+# Dry run on CPU (no GPU): GPU_CHECK_DRY=1 bash scripts/gpu_check.sh all
+set -uo pipefail
+cd "$(dirname "$0")/.."
+phase=${1:-all}
+OUT=${OUT:-/tmp/gpu_check_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+PY=${PYTHON:-python3}
+dry=${GPU_CHECK_DRY:-0}
+rc=0
+step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
+
+step "env"
+$PY - <<'EOF' 2>&1 | tee "$OUT/env.txt"
+import torch, importlib
+print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
+      torch.cuda.get_device_name() if torch.cuda.is_available() else "")
+for m in ("triton", "flash_attn.cute", "flash_attn.flash_attn_interface", "flash_attn_interface"):
+    try:
+        importlib.import_module(m); print("import", m, "ok")
+    except Exception as e:
+        print("import", m, "FAILED:", type(e).__name__, str(e)[:120])
+EOF
+
+tests_common="tests/test_gpu_merge.py tests/test_kernel_adapters.py"
+bench_out=benchmarks/results
+if [ "$dry" = 1 ]; then bench_args="--dry-run"; export CP_SOFTCAP_GPU_TESTS_ON_CPU=1; else bench_args=""; fi
+
+if [ "$phase" = nofa4 ] || [ "$phase" = all ]; then
+  step "GPU tests (flex, sdpa, merge; fa4 skipped unless installed)"
+  sel="not fa4"; [ "$phase" = all ] && sel=""
+  timeout 420 $PY -m pytest tests/test_gpu_kernels.py $tests_common -q -rs -x -n 4 \
+      ${sel:+-k "$sel"} -p no:cacheprovider 2>&1 | tee "$OUT/pytest_nofa4.log" | tail -40 || rc=1
+  step "kernel benchmark: cuDNN baseline, flex (softcap 50), sdpa adapter (no softcap)"
+  pairs="flex:50 sdpa:0"; [ "$phase" = all ] && pairs="fa4:50 fa4:0 flex:50 sdpa:0"
+  timeout 400 $PY benchmarks/kernels.py $bench_args --pairs $pairs --tag main 2>&1 | tail -40 || rc=1
+  cp $bench_out/kernels_main.json $bench_out/kernels_main.png "$OUT/" 2>/dev/null
+fi
+
+if [ "$phase" = fa4 ] || [ "$phase" = all ]; then
+  if [ "$phase" = fa4 ]; then
+    step "GPU tests: fa4 + selector + cps.attention"
+    timeout 300 $PY -m pytest tests/test_gpu_kernels.py -q -rs -n 4 -p no:cacheprovider \
+        -k "fa4 or selector or cps_attention" 2>&1 | tee "$OUT/pytest_fa4.log" | tail -30 || rc=1
+    step "kernel benchmark: fa4 (softcap 50 and off) vs cuDNN"
+    timeout 240 $PY benchmarks/kernels.py $bench_args --pairs fa4:50 fa4:0 --tag fa4 2>&1 | tail -30 || rc=1
+    cp $bench_out/kernels_fa4.json $bench_out/kernels_fa4.png "$OUT/" 2>/dev/null
+  fi
+  step "cp_sim: rank 0 of a zigzag ring on one GPU"
+  timeout 300 $PY benchmarks/cp_sim.py $bench_args 2>&1 | tail -40 || rc=1
+  cp $bench_out/cp_sim.json $bench_out/cp_sim.png "$OUT/" 2>/dev/null
+fi
+step "done rc=$rc"
+exit $rc
