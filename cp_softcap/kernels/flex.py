@@ -103,8 +103,11 @@ class FlexKernel(Kernel):
                 self._reason = f"torch.nn.attention.flex_attention not importable ({reason}); needs torch >= 2.5"
             else:
                 self._flex, self._create_block_mask = mod.flex_attention, mod.create_block_mask
-                aux = getattr(mod, "AuxRequest", None)      # torch >= 2.9; return_lse before
-                self._lse_kw = {"return_aux": aux(lse=True)} if aux else {"return_lse": True}
+                import inspect                              # return_lse (measured path) while
+                params = inspect.signature(mod.flex_attention).parameters   # it exists, else
+                aux = getattr(mod, "AuxRequest", None)                       # return_aux
+                self._lse_kw = ({"return_lse": True} if "return_lse" in params or aux is None
+                                else {"return_aux": aux(lse=True)})
         return self._flex
 
     def probe(self, spec) -> Optional[str]:
