@@ -66,8 +66,24 @@ def init(cp: Optional[int] = None, device: str = "auto") -> Dist:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     dev, backend = pick_device(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), device)
     if not dist.is_initialized():
-        dist.init_process_group(backend, device_id=dev if backend == "nccl" else None)
+        dist.init_process_group(backend, device_id=dev if backend == "nccl" else None,
+                                **_elastic_store_kwargs())
     return make_dist(cp, dev)
+
+
+def _elastic_store_kwargs() -> dict:
+    """Under torchrun, workers share the agent's TCPStore, and torch (2.13) reuses it across
+    `--max-restarts` attempts without a per-attempt prefix: restarted workers read the killed
+    workers' gloo/NCCL addresses and fail with 'Connection refused'. Namespace the store by the
+    attempt (TORCHELASTIC_RESTART_COUNT). Empty (plain env:// init) outside torchrun."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    from datetime import timedelta
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timedelta(minutes=10))
+    return dict(store=dist.PrefixStore(f"attempt-{attempt}", store), rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def make_dist(cp: Optional[int], dev: torch.device) -> Dist:
