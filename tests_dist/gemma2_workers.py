@@ -44,13 +44,13 @@ def worst_over_ranks(errs: dict) -> dict:
 
 
 def recipe(out_path: str, comms: str = "ring") -> None:
-    """examples/gemma2 training step with (dp, cp) = (4,1), (2,2), (1,4) and cp=2 alone on
-    subgroups, vs the full model on one process: loss and every gradient. Extra comm types in
+    """examples/gemma2 training step with (dp, cp) = (4,1), (2,2), (1,4), (2,2) under FSDP2 and
+    cp=2 alone on subgroups, vs the full model on one process: loss and every gradient. Extra comm types in
     `comms` (comma-separated) run the (2,2) and (1,4) cases again; a2a only where kv heads
     divide by cp."""
     from gemma2 import parallel
     from gemma2.config import get_config
-    from gemma2.model import Gemma2, loss_sum
+    from gemma2.model import Gemma2, assign, loss_sum
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = get_config("tiny", num_hidden_layers=2, sliding_window=16, attn_logit_softcapping=5.0)
@@ -65,11 +65,20 @@ def recipe(out_path: str, comms: str = "ring") -> None:
     ref_loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
 
-    def check(d, rows, name, comm="ring"):
-        model = Gemma2(cfg, d.cp_group, comm=comm)
-        model.load_state_dict(ref.state_dict())
+    def check(d, rows, name, comm="ring", fsdp=False):
+        if fsdp:       # FSDP2-sharded, built on meta like train.py --fsdp
+            with torch.device("meta"):
+                model = Gemma2(cfg, d.cp_group, comm=comm)
+            parallel.shard_model(model, d)
+            model.to_empty(device="cpu")
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    assign(p, ref.state_dict()[n])
+        else:
+            model = Gemma2(cfg, d.cp_group, comm=comm)
+            model.load_state_dict(ref.state_dict())
         loss = parallel.loss_and_grads(model, tokens[rows].clone(), d, pad_id=0)
-        grads = {n: p.grad for n, p in model.named_parameters()}
+        grads = {n: (p.grad.full_tensor() if fsdp else p.grad) for n, p in model.named_parameters()}
         bad = [n for n, g in grads.items() if g is None or not torch.isfinite(g).all()]
         if bad or not torch.isfinite(loss):
             raise AssertionError(f"{name}: non-finite loss/grads on rank {rank}: {bad}")
@@ -87,6 +96,8 @@ def recipe(out_path: str, comms: str = "ring") -> None:
         per = 4 // dp
         tag = f"dp{dp}xcp{cp}" + ("" if comm == "ring" else f" {comm}")
         errs.update(check(d, slice(d.dp_rank * per, (d.dp_rank + 1) * per), tag, comm))
+    d = parallel.make_dist(2, torch.device("cpu"))
+    errs.update(check(d, slice(d.dp_rank * 2, d.dp_rank * 2 + 2), "dp2xcp2 fsdp", fsdp=True))
     # cp = 2 alone: ranks {0,1} and {2,3} each run the whole batch as an independent cp=2 job
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     g = groups[rank // 2]

@@ -1,7 +1,8 @@
 """examples/gemma2/train.py end to end under torchrun (CPU, gloo, cp = 2): a resumed run is
 bitwise identical to an uninterrupted one (losses and final weights and optimizer state), newer
 half-written or corrupt checkpoint folders are skipped with a warning, and two torchrun
-processes with --nnodes 2 against a loopback c10d endpoint train (the multi-node path)."""
+processes with --nnodes 2 against a loopback c10d endpoint train with FSDP2 and save a sharded
+checkpoint (the multi-node path)."""
 import json
 import os
 import shutil
@@ -73,10 +74,12 @@ def test_two_nodes_over_c10d_loopback(tmp_path):
     endpoint = f"127.0.0.1:{L.free_port()}"
     metrics = str(tmp_path / "m.jsonl")
     procs = [L.start(L.torchrun_args(1, nnodes=2, endpoint=endpoint, rdzv_id=f"gemma2-{os.getpid()}")
-                     + [L.TRAIN, *SMALL, "--max-steps", "3", "--metrics", metrics])
+                     + [L.TRAIN, *SMALL, "--max-steps", "3", "--metrics", metrics, "--fsdp",
+                        "--ckpt-dir", str(tmp_path / "ckpt")])
              for _ in range(2)]
     outs = L.finish(procs, 200, "two-node torchrun (c10d, loopback)")
     text = "\n".join(outs)
     assert "world 2 = dp 1 x cp 2" in text and "done: steps 1-3" in text, text[-3000:]
     rows = losses(metrics)
     assert [r[0] for r in rows] == [1, 2, 3] and all(r[1] == r[1] for r in rows)
+    assert os.path.isfile(tmp_path / "ckpt" / "step-3" / "COMPLETE")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import zlib
 from typing import Optional
 
 import torch
@@ -125,13 +126,18 @@ class Gemma2(nn.Module):
         self.cfg = cfg
         self.model = Gemma2Body(cfg, cp_group, comm, backend)
 
-    def reset_parameters(self) -> None:
-        """Gemma2's init: normal(0, initializer_range) for linears and embeddings, norms at 0."""
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=self.cfg.initializer_range)
-            elif isinstance(m, RMSNorm):
-                nn.init.zeros_(m.weight)
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Gemma2's init: normal(0, initializer_range) for matrices, norms at 0. Each tensor is drawn
+        whole from a generator seeded by (seed, its name), so the result is the same on every
+        rank and with or without FSDP sharding (only one full tensor exists at a time)."""
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                full = torch.empty(p.shape).normal_(0.0, self.cfg.initializer_range, generator=g)
+            else:
+                full = torch.zeros(p.shape)
+            assign(p, full)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         cfg, emb = self.cfg, self.model.embed_tokens
@@ -152,6 +158,14 @@ class Gemma2(nn.Module):
         """Training FLOPs per token: 6N + 12 * layers * heads * head_dim * seq (full causal count)."""
         c = self.cfg
         return 6 * self.num_params() + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
+
+
+def assign(p: torch.Tensor, full: torch.Tensor) -> None:
+    """p.copy_(full) for a plain or an FSDP2-sharded (DTensor) parameter; full is the whole tensor."""
+    if hasattr(p, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+        full = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+    p.copy_(full)
 
 
 def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -192,7 +206,7 @@ def load_hf_weights(model: Gemma2, model_dir: str) -> None:
                         raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model shape "
                                          f"{tuple(params[name].shape)}; the config does not match "
                                          f"the weights in {model_dir!r}")
-                    params[name].copy_(t)
+                    assign(params[name], t)
                     seen.add(name)
     missing = sorted(set(params) - seen)
     if missing:

@@ -34,6 +34,7 @@ class Dist:
     dp_group: object
     cp_group: object
     grad_group: object = None   # the dp x cp ranks that share one model (None = the whole world)
+    fsdp: bool = False          # parameters sharded by FSDP2 (which then sums the gradients)
 
 
 def _free_port() -> int:
@@ -102,6 +103,23 @@ def make_dist(cp: Optional[int], dev: torch.device) -> Dist:
                 cp_group=mesh.get_group("cp"))
 
 
+def shard_model(model, d: Dist) -> None:
+    """FSDP2 over all dp x cp ranks (each decoder layer, then the root): parameters, gradients and
+    optimizer state sharded. Gradients are SUMMED, not averaged, as the CP recipe needs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh(d.device.type, (d.world,), mesh_dim_names=("fsdp",))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)    # gloo has no pre-divided reduce-scatter
+    d.fsdp = True
+
+
 def shard_batch(tokens: torch.Tensor, cp: int, cp_rank: int, pad_id: Optional[int] = None):
     """tokens [B, S+1] (the same on all cp ranks) -> (inputs, labels, positions), each [B, S/cp]:
     labels are shifted on the full sequence first (labels equal to pad_id become -100), then all
@@ -154,7 +172,8 @@ def loss_and_grads(model, tokens: torch.Tensor, d: Dist, autocast=None,
         logits = model(inp, pos)
     loss = loss_sum(logits, lab) / n_valid.to(torch.float32)
     loss.backward()
-    sum_grads([p for p in model.parameters()], d.grad_group)
+    if not d.fsdp:
+        sum_grads([p for p in model.parameters()], d.grad_group)
     total = loss.detach().clone()
     dist.all_reduce(total, group=d.grad_group)
     return total

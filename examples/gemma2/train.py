@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--comm", default="ring", help="CP algorithm: ring | all_gather | a2a | auto")
     a("--backend", default="auto", help="attention kernel (auto = cp_softcap's selector)")
     a("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    a("--fsdp", action="store_true", help="shard parameters, grads and optimizer state over all ranks "
+      "(FSDP2); needed for 9b/27b. Default: a full replica per rank, gradients all-reduced")
     a("--seq-len", type=int, default=256, help="global sequence length (a multiple of 2*cp)")
     a("--batch-size", type=int, default=8, help="sequences per dp rank per step")
     a("--max-steps", type=int, default=60, help="total optimizer steps (sets the LR schedule)")
@@ -85,9 +87,14 @@ def build(args, d: parallel.Dist):
     cfg = from_hf_json(args.model_dir) if args.model_dir else get_config(args.config)
     if not args.model_dir and cfg.vocab_size < ByteTokenizer.vocab_size:
         raise ValueError(f"config {args.config} has vocab {cfg.vocab_size} < 259 byte tokens")
-    torch.manual_seed(args.seed)
-    model = Gemma2(cfg, d.cp_group, comm=args.comm, backend=args.backend)
-    model.reset_parameters()
+    if args.fsdp:        # build on the meta device, shard, then materialise only this rank's shards
+        with torch.device("meta"):
+            model = Gemma2(cfg, d.cp_group, comm=args.comm, backend=args.backend)
+        parallel.shard_model(model, d)
+        model.to_empty(device=d.device)
+    else:
+        model = Gemma2(cfg, d.cp_group, comm=args.comm, backend=args.backend)
+    model.reset_parameters(args.seed)
     if args.model_dir:
         load_hf_weights(model, args.model_dir)
     model.to(d.device)
@@ -131,7 +138,8 @@ def main(argv=None) -> None:
         print(f"gemma2 {args.model_dir or args.config}: {model.num_params() / 1e6:.2f}M params, "
               f"world {d.world} = dp {d.dp} x cp {d.cp} on {d.device.type}/{d.backend}, "
               f"seq {args.seq_len} ({args.seq_len // d.cp} per rank), batch {args.batch_size} per dp rank, "
-              f"comm {args.comm}" + (f", resumed from step {start}" if start else ""), flush=True)
+              f"comm {args.comm}" + (", FSDP2" if args.fsdp else "") +
+              (f", resumed from step {start}" if start else ""), flush=True)
         dtype = torch.bfloat16 if d.device.type == "cuda" else torch.float32
         print(f"attention kernels: {kernel_choice(cfg, d, args, dtype)} "
               "(python -m cp_softcap.select explains the choice)", flush=True)
@@ -163,6 +171,7 @@ def main(argv=None) -> None:
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
         loss_v, gnorm_v = loss.item(), gnorm.item()
         if d.device.type == "cuda":
             torch.cuda.synchronize(d.device)
