@@ -6,6 +6,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from .export import export_attention, is_exporting, refuse_cp
 from .selector import select
 from .spec import AttnSpec, check_qkv, make_spec
 
@@ -33,6 +34,7 @@ class _KernelAttention(torch.autograd.Function):
 def spec_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap, causal, window, scale,
              cp_size: int = 1, comm: str = "ring", return_lse: bool = False) -> AttnSpec:
     needs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    refuse_cp(cp_size)     # every CP entry point builds its spec here, before any collective
     return make_spec(head_dim=q.shape[-1], head_dim_v=v.shape[-1], num_heads=q.shape[2],
                      num_kv_heads=k.shape[2], dtype=q.dtype, device_type=q.device.type,
                      softcap=softcap, causal=causal, window=window, scale=scale,
@@ -56,6 +58,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: Opt
     check_qkv(q, k, v)
     spec = spec_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
                     return_lse=return_lse)
+    if is_exporting():     # torch.onnx.export / torch.export: the torch kernel's math, plain ops
+        if backend not in ("auto", "torch"):
+            raise ValueError(f"backend={backend!r} cannot be exported; export traces the 'torch' "
+                             "kernel's math (cp_softcap.export): pass backend='auto' or 'torch'")
+        out, lse = export_attention(q, k, v, scale=spec.scale, softcap=spec.softcap, window=spec.window)
+        return (out, lse) if return_lse else out
     kernel = select(spec, backend).kernel
     out, lse = _KernelAttention.apply(q, k, v, kernel, spec.scale, spec.softcap, spec.window)
     return (out, lse) if return_lse else out
