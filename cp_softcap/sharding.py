@@ -40,6 +40,16 @@ def shard(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
 def unshard(shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
     """Inverse of shard: the list of all ranks' shards (in rank order) -> the global tensor."""
     cp = len(shards)
+    if cp == 0:
+        raise ValueError("unshard needs at least one shard (the list of every rank's shard, in rank order)")
+    sizes = [s.shape[dim] for s in shards]
+    for r, n in enumerate(sizes):
+        if n != sizes[0]:
+            raise ValueError(f"shard of rank {r} has {n} tokens along dim {dim} but rank 0's has "
+                             f"{sizes[0]}; every rank's zigzag shard has the same length S/cp")
+    if sizes[0] % 2 != 0:
+        raise ValueError(f"shards have {sizes[0]} tokens along dim {dim}, which is not even: a zigzag "
+                         "shard is two equal chunks (did these come from cp_softcap.sharding.shard?)")
     pieces: List[torch.Tensor] = [None] * (2 * cp)  # type: ignore[list-item]
     for r, s in enumerate(shards):
         first, second = s.chunk(2, dim=dim)

@@ -74,6 +74,16 @@ def normalize_window(window, causal: bool) -> Window:
     return (left, right)
 
 
+def _below(value, low: int) -> bool:
+    """True unless `value` is an integer (int, numpy or torch integer, SymInt) >= low."""
+    if isinstance(value, (bool, float)):
+        return True
+    try:
+        return int(value) < low
+    except (TypeError, ValueError):
+        return True
+
+
 @dataclass(frozen=True)
 class AttnSpec:
     """One attention call, validated. Hashable: the selector caches on it."""
@@ -119,6 +129,13 @@ def make_spec(*, head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.
     """Validate user-facing options and build an AttnSpec. Raises ValueError/TypeError."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v   # not `or`: 0 must not become D
+    for name, value in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+        if _below(value, 1):
+            raise ValueError(f"{name}={value!r}: the head dim must be a positive int (the last dim of "
+                             "q/k for head_dim, of v for head_dim_v)")
+    if _below(num_heads, 0):
+        raise ValueError(f"num_heads={num_heads!r} must be a non-negative int")
     if dtype not in _DTYPES:
         raise TypeError(f"dtype {dtype} is not supported; use float16, bfloat16, float32 or float64")
     if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
@@ -137,7 +154,7 @@ def make_spec(*, head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.
         raise ValueError(f"comm must be one of {COMM_TYPES}, got {comm!r}")
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
-    return AttnSpec(head_dim=int(head_dim), head_dim_v=int(head_dim_v or head_dim),
+    return AttnSpec(head_dim=int(head_dim), head_dim_v=int(head_dim_v),
                     num_heads=int(num_heads), num_kv_heads=int(num_kv_heads), dtype=dtype,
                     device_type=device_type, scale=normalize_scale(scale, head_dim), softcap=softcap,
                     causal=causal, window=normalize_window(window, causal), dropout=float(dropout),
