@@ -66,6 +66,36 @@ class Rank0:
         return dq
 
 
+def graphed(fn):
+    """Capture fn() into a CUDA graph (after two warm-up calls on a side stream); returns replay.
+    Shows the ring's GPU work without per-call Python/launch overhead."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def host_ms(fn, n: int = 10) -> float:
+    """Host-side milliseconds per fn() call (issue time, no sync inside the loop)."""
+    import time
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (t1 - t0) * 1e3 / n
+
+
 def full_attention(kernel, s, hq, hkv, d, dtype, dev, softcap, backward):
     q = torch.randn(1, s, hq, d, device=dev, dtype=dtype)
     k = torch.randn(1, s, hkv, d, device=dev, dtype=dtype)
@@ -89,6 +119,9 @@ def main(argv=None) -> int:
     p.add_argument("--merges", nargs="+", default=["fused", "eager"])
     p.add_argument("--rep-ms", type=int, default=300)
     p.add_argument("--out-dir", default=RESULTS)
+    p.add_argument("--graph", action="store_true",
+                   help="also time a CUDA-graph replay of rank 0's work (no host overhead)")
+    p.add_argument("--tag", default="", help="suffix of the output files: cp_sim_<tag>.json")
     p.add_argument("--dry-run", action="store_true")
     a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -100,7 +133,8 @@ def main(argv=None) -> int:
                      softcap=a.softcap, causal=True, cp_size=max(a.cps))
     name = select(spec, a.kernel).name if dev == "cuda" or a.kernel != "auto" else "torch"
     kernel = get_kernel(name)
-    records, rows = [], [["S", "cp", "merge", "mode", "rank0 ms", "full ms", "ratio", "no-merge ratio"]]
+    records, rows = [], [["S", "cp", "merge", "mode", "rank0 ms", "host ms", "full ms", "ratio",
+                          "no-merge ratio", "graph ratio"]]
     for s in a.seqs:
         full = {m: bench_ms(full_attention(kernel, s, hq, hkv, d, dtype, dev, a.softcap, m == "fwd+bwd"),
                             rep_ms=a.rep_ms) for m in ("fwd", "fwd+bwd")}
@@ -113,21 +147,35 @@ def main(argv=None) -> int:
                     ms = bench_ms(fn, rep_ms=a.rep_ms)
                     ms_nomerge = bench_ms(lambda: fn(merge=False), rep_ms=a.rep_ms)
                     ratio, ratio_nm = ms * cp / full[mode], ms_nomerge * cp / full[mode]
-                    records.append(dict(S=s, cp=cp, merge=merge, mode=mode, kernel=name,
-                                        rank0_ms=ms, rank0_no_merge_ms=ms_nomerge, full_ms=full[mode],
-                                        ratio=ratio, ratio_without_merge=ratio_nm))
-                    rows.append([s, cp, merge, mode, f"{ms:.3f}", f"{full[mode]:.3f}", f"{ratio:.3f}",
-                                 f"{ratio_nm:.3f}"])
+                    rec = dict(S=s, cp=cp, merge=merge, mode=mode, kernel=name,
+                               rank0_ms=ms, rank0_no_merge_ms=ms_nomerge, full_ms=full[mode],
+                               ratio=ratio, ratio_without_merge=ratio_nm, rank0_host_ms=host_ms(fn))
+                    g_txt = ""
+                    if a.graph and dev == "cuda":
+                        try:
+                            ms_g = bench_ms(graphed(fn), rep_ms=a.rep_ms)
+                            rec.update(rank0_graph_ms=ms_g, ratio_graph=ms_g * cp / full[mode])
+                            g_txt = f"{ms_g * cp / full[mode]:.3f}"
+                        except Exception as e:
+                            rec["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                            g_txt = "ERR"
+                    records.append(rec)
+                    rows.append([s, cp, merge, mode, f"{ms:.3f}", f"{rec['rank0_host_ms']:.3f}",
+                                 f"{full[mode]:.3f}", f"{ratio:.3f}", f"{ratio_nm:.3f}", g_txt])
             del r0
             if dev == "cuda":
                 torch.cuda.empty_cache()
     os.environ.pop("CP_SOFTCAP_FUSED_MERGE", None)
     meta = dict(kernel=name, heads=[hq, hkv, d], softcap=a.softcap, dtype=str(dtype), batch=1,
                 ratio="rank0 time * cp / full causal attention time (same kernel), no communication")
-    path = save("cp_sim", records, meta, a.out_dir)
+    stem = "cp_sim" + (f"_{a.tag}" if a.tag else "")
+    path = save(stem, records, meta, a.out_dir)
     labels = [f"{r['S'] // 1024}K cp{r['cp']} {r['mode']}" for r in records if r["merge"] == a.merges[0]]
     series = {m: [r["ratio"] for r in records if r["merge"] == m] for m in a.merges}
-    bar_plot(os.path.join(a.out_dir, "cp_sim.png"), labels, series, "rank0 time * cp / full",
+    if a.graph:
+        series.update({f"{m} (CUDA graph)": [r.get("ratio_graph", float("nan")) for r in records
+                                             if r["merge"] == m] for m in a.merges})
+    bar_plot(os.path.join(a.out_dir, stem + ".png"), labels, series, "rank0 time * cp / full",
              f"zigzag ring rank 0, {name}, heads {hq}/{hkv} D={d}, softcap {a.softcap}", hline=1.0)
     print(table(rows))
     print(f"wrote {path}")

@@ -7,6 +7,9 @@
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh fa4
 #                                      # device call 2 (carry [".fa4b"], right after call 1):
 #                                      #   FA4 tests, FA4 kernel benchmark, cp_sim
+#   bash .fa4b/install.sh && bash scripts/gpu_check.sh extra
+#                                      # (call 2 of a second pair): cp_sim with CUDA graphs,
+#                                      #   cp_multi N=1, CP tests with 2/4 ranks on one GPU
 # Dry run on CPU (no GPU): GPU_CHECK_DRY=1 bash scripts/gpu_check.sh all
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,6 +61,16 @@ if [ "$phase" = fa4 ] || [ "$phase" = all ]; then
   step "cp_sim: rank 0 of a zigzag ring on one GPU"
   timeout 300 $PY benchmarks/cp_sim.py $bench_args 2>&1 | tail -40 || rc=1
   cp $bench_out/cp_sim.json $bench_out/cp_sim.png "$OUT/" 2>/dev/null
+fi
+if [ "$phase" = extra ]; then                   # after fa4 is installed: graphs, N=1, CP tests
+  step "cp_sim with CUDA-graph replay and host time"
+  timeout 200 $PY benchmarks/cp_sim.py $bench_args --seqs 32768 131072 --cps 8 4 --graph --tag graph 2>&1 | tail -20 || rc=1
+  cp $bench_out/cp_sim_graph.json $bench_out/cp_sim_graph.png "$OUT/" 2>/dev/null
+  step "cp_multi with N=1 (single-device path through cps.cp_attention)"
+  timeout 90 $PY benchmarks/cp_multi.py $bench_args --seqs 32768 2>&1 | tail -8 || rc=1
+  cp $bench_out/cp_multi_N1.json "$OUT/" 2>/dev/null
+  step "GPU CP tests: 2 and 4 ranks on one GPU via gloo host staging"
+  timeout 240 $PY -m pytest tests/test_gpu_cp.py -q -rs -n 3 -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cp.log" | tail -25 || rc=1
 fi
 step "done rc=$rc"
 exit $rc

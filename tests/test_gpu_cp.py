@@ -1,0 +1,70 @@
+"""Context parallelism on ONE GPU: 2 and 4 ranks share the GPU through gloo (CUDA tensors staged
+through host memory for point-to-point), with fa4 and flex as the per-chunk kernels, against the
+float64 reference of full attention (saturating softcap, causal and a sliding window).
+
+Skipped without CUDA. Uses tests_dist/harness.py (forkserver ranks, hard timeout).
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("CUDA not available: GPU CP tests run on the device machine (scripts/gpu_check.sh)",
+                allow_module_level=True)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests_dist"))
+from harness import run_ranks  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+
+def _worker(rank, world, backend, comm, window):
+    import torch.distributed as dist
+
+    import cp_softcap as cps
+    from cp_softcap.sharding import shard
+    from cp_softcap.testing import (TOLERANCES, check_against_reference, reference_with_grads,
+                                    rel_err, saturating_qkv)
+    torch.manual_seed(1234)
+    cap, dtype, s = 30.0, torch.bfloat16, 256 * world
+    q, k, v, _ = saturating_qkv(1, s, s, 4, 2, 128, dtype, cap, requires_grad=False)
+    dout = torch.randn(q.shape, dtype=torch.float64).to(dtype)
+    opts = dict(softcap=cap, causal=True, window=window)
+    ref_out, _, ref_grads = reference_with_grads(q, k, v, dout, bottom_right=False, **opts)
+    ql, kl, vl = (shard(t, world, rank).cuda().requires_grad_() for t in (q, k, v))
+    out = cps.cp_attention(ql, kl, vl, dist.group.WORLD, comm=comm, backend=backend, **opts)
+    out.backward(shard(dout, world, rank).cuda())
+    grads = [g.cpu() for g in (ql.grad, kl.grad, vl.grad)]
+    errs = check_against_reference(out.detach().cpu(), grads, shard(ref_out, world, rank),
+                                   [shard(g, world, rank) for g in ref_grads], dtype,
+                                   label=f"rank {rank} {backend} {comm} {window}")
+    nocap, _, _ = reference_with_grads(q, k, v, dout, bottom_right=False, **{**opts, "softcap": None})
+    if not rel_err(out.detach().cpu(), shard(nocap, world, rank)) > 10 * TOLERANCES[dtype]["out"]:
+        raise AssertionError("negative control too weak: the uncapped reference is too close")
+    return errs
+
+
+def _skip_unless(backend):
+    from cp_softcap.kernels import get_kernel
+    from cp_softcap.spec import make_spec
+    spec = make_spec(head_dim=128, num_heads=4, num_kv_heads=2, dtype=torch.bfloat16,
+                     device_type="cuda", softcap=30.0, causal=True, cp_size=2)
+    reason = get_kernel(backend).probe(spec)
+    if reason:
+        pytest.skip(f"{backend}: {reason}")
+
+
+@pytest.mark.parametrize("backend,world", [("fa4", 2), ("fa4", 4), ("flex", 2)])
+def test_ring_on_one_gpu(backend, world):
+    _skip_unless(backend)
+    for errs in run_ranks(_worker, world, backend, "ring", None, timeout=300):
+        print(backend, world, errs)
+
+
+@pytest.mark.parametrize("comm,window", [("ring", (200, 0)), ("all_gather", None), ("a2a", None)])
+def test_other_comms_and_window_with_fa4(comm, window):
+    _skip_unless("fa4")
+    run_ranks(_worker, 2, "fa4", comm, window, timeout=300)
