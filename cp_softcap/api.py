@@ -35,6 +35,12 @@ def spec_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap, caus
              cp_size: int = 1, comm: str = "ring", return_lse: bool = False) -> AttnSpec:
     needs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     refuse_cp(cp_size)     # every CP entry point builds its spec here, before any collective
+    if isinstance(cp_size, int) and not isinstance(cp_size, bool) and cp_size < 1:
+        import torch.distributed as dist   # get_world_size(group) is -1 on a rank outside `group`
+        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else "?"
+        raise ValueError(f"global rank {me} is not a member of the process group passed as the CP "
+                         f"group (its size seen from here is {cp_size}); pass the CP group this rank "
+                         "belongs to (e.g. mesh['cp'] of a DeviceMesh) or None for one device")
     return make_spec(head_dim=q.shape[-1], head_dim_v=v.shape[-1], num_heads=q.shape[2],
                      num_kv_heads=k.shape[2], dtype=q.dtype, device_type=q.device.type,
                      softcap=softcap, causal=causal, window=window, scale=scale,
