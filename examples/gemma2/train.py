@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
       "(FSDP2); needed for 9b/27b. Default: a full replica per rank, gradients all-reduced")
     a("--seq-len", type=int, default=256, help="global sequence length (a multiple of 2*cp)")
     a("--batch-size", type=int, default=8, help="sequences per dp rank per step")
-    a("--max-steps", type=int, default=60, help="total optimizer steps (sets the LR schedule)")
+    a("--max-steps", type=int, default=50, help="total optimizer steps (sets the LR schedule)")
     a("--stop-after", type=int, help="stop after this many steps in this run (e.g. a job time limit)")
     a("--lr", type=float, default=3e-3)
     a("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr * this")
