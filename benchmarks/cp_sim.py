@@ -32,8 +32,9 @@ from benchmarks._util import RESULTS, bar_plot, bench_ms, save, table  # noqa: E
 class Rank0:
     """Buffers and the step functions for rank 0 of a zigzag ring of size cp."""
 
-    def __init__(self, kernel, s, cp, hq, hkv, d, dtype, dev, softcap):
+    def __init__(self, kernel, s, cp, hq, hkv, d, dtype, dev, softcap, prepared=False):
         self.kernel, self.cp, self.softcap, self.scale = kernel, cp, softcap, d ** -0.5
+        self.prepared = prepared
         self.c = s // (2 * cp)
         L = 2 * self.c
         mk = lambda h: torch.randn(1, L, h, d, device=dev, dtype=dtype)   # noqa: E731
@@ -56,10 +57,16 @@ class Rank0:
     def forward_backward(self, merge=True):
         kern, kw, c = self.kernel, dict(scale=self.scale, softcap=self.softcap), self.c
         out, lse = self.forward(merge)
-        dq, dk, dv = kern.backward(self.dout, self.q, self.k, self.v, out, lse, window=(None, 0), **kw)
+        dout, dlse = self.dout, None
+        if self.prepared and hasattr(kern, "prepare_backward"):
+            dout, out, dlse = kern.prepare_backward(dout, out, None, self.q.dtype)
+        sl = (lambda t: t[:, :, c:]) if dlse is not None else (lambda t: None)  # noqa: E731
+        dq, dk, dv = kern.backward(dout, self.q, self.k, self.v, out, lse, window=(None, 0),
+                                   dlse=dlse, **kw)
         for _ in range(1, self.cp):
-            gq, gk, gv = kern.backward(self.dout[:, c:], self.q[:, c:], self.kr, self.vr,
-                                       out[:, c:], lse[:, :, c:], window=(None, None), **kw)
+            gq, gk, gv = kern.backward(dout[:, c:], self.q[:, c:], self.kr, self.vr,
+                                       out[:, c:], lse[:, :, c:], window=(None, None),
+                                       dlse=sl(dlse), **kw)
             dq[:, c:] += gq
             self.dk_acc += gk
             self.dv_acc += gv
@@ -122,6 +129,9 @@ def main(argv=None) -> int:
     p.add_argument("--graph", action="store_true",
                    help="also time a CUDA-graph replay of rank 0's work (no host overhead)")
     p.add_argument("--tag", default="", help="suffix of the output files: cp_sim_<tag>.json")
+    p.add_argument("--prepared", action="store_true",
+                   help="cast the float32 O and correct D once per backward (prepare_backward), "
+                        "not once per chunk pair")
     p.add_argument("--dry-run", action="store_true")
     a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -139,7 +149,7 @@ def main(argv=None) -> int:
         full = {m: bench_ms(full_attention(kernel, s, hq, hkv, d, dtype, dev, a.softcap, m == "fwd+bwd"),
                             rep_ms=a.rep_ms) for m in ("fwd", "fwd+bwd")}
         for cp in a.cps:
-            r0 = Rank0(kernel, s, cp, hq, hkv, d, dtype, dev, a.softcap)
+            r0 = Rank0(kernel, s, cp, hq, hkv, d, dtype, dev, a.softcap, a.prepared)
             for merge in a.merges:
                 os.environ["CP_SOFTCAP_FUSED_MERGE"] = "1" if merge == "fused" else "0"
                 for mode in ("fwd", "fwd+bwd"):
@@ -166,7 +176,7 @@ def main(argv=None) -> int:
             if dev == "cuda":
                 torch.cuda.empty_cache()
     os.environ.pop("CP_SOFTCAP_FUSED_MERGE", None)
-    meta = dict(kernel=name, heads=[hq, hkv, d], softcap=a.softcap, dtype=str(dtype), batch=1,
+    meta = dict(prepared_backward=a.prepared, kernel=name, heads=[hq, hkv, d], softcap=a.softcap, dtype=str(dtype), batch=1,
                 ratio="rank0 time * cp / full causal attention time (same kernel), no communication")
     stem = "cp_sim" + (f"_{a.tag}" if a.tag else "")
     path = save(stem, records, meta, a.out_dir)

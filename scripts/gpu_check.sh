@@ -72,5 +72,12 @@ if [ "$phase" = extra ]; then                   # after fa4 is installed: graphs
   step "GPU CP tests: 2 and 4 ranks on one GPU via gloo host staging"
   timeout 240 $PY -m pytest tests/test_gpu_cp.py -q -rs -n 3 -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cp.log" | tail -25 || rc=1
 fi
+if [ "$phase" = final ]; then                   # after fa4 is installed: prepared bwd + CP tests
+  step "GPU CP tests: 2 and 4 ranks on one GPU via gloo host staging"
+  timeout 200 $PY -m pytest tests/test_gpu_cp.py -q -rs -n 3 -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cp.log" | tail -12 || rc=1
+  step "cp_sim with prepare_backward (O cast and D correction once per backward)"
+  timeout 150 $PY benchmarks/cp_sim.py $bench_args --seqs 32768 131072 --cps 8 --merges fused --prepared --tag prepared 2>&1 | tail -8 || rc=1
+  cp $bench_out/cp_sim_prepared.json "$OUT/" 2>/dev/null
+fi
 step "done rc=$rc"
 exit $rc

@@ -130,6 +130,16 @@ class FA4Kernel(Kernel):
                                   window_size_right=right, return_lse=True)
         return res[0], res[1]
 
+    def prepare_backward(self, dout, out, dlse, dtype):
+        """Once per row set, for callers that run many chunk-pair backwards on the same rows
+        (the ring): (dout, out, dlse) in the kernel's form, so each backward call skips the
+        cast of the float32 O and the D correction. dout/out [B,S,H,D], dlse [B,H,S] or None.
+        Row slices of the results stay valid for row slices of the inputs."""
+        out_k, dout_k = out.to(dtype), dout.to(dtype)
+        if out.dtype != dtype:
+            dlse = exact_d_dlse(dout_k, out, out_k, dlse)
+        return dout_k, out_k, dlse
+
     def backward(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
                  window: Window, dlse: Optional[torch.Tensor] = None):
         """Gradients (float32) of this chunk pair given the FINAL merged out/lse of its rows."""
