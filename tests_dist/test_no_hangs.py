@@ -92,13 +92,15 @@ def _stall_worker(rank, world, where):
     import cp_softcap as cps
     q, k, v = _qkv(seed=rank)
     cps.cp_attention(q, k, v, _world(), softcap=5.0).sum().backward()  # warm-up
+    import torch.distributed as dist
+    dist.barrier()                    # both ranks start the measured call together
     victim = world - 1
     if where == "first_call":         # a fresh signature: the check itself waits for the peer
         q, k, v = _qkv(s_local=12, seed=rank)
     if rank == victim:
         if where == "backward":
             out = cps.cp_attention(q, k, v, _world(), softcap=5.0)
-        time.sleep(TIMEOUT_S + 4)     # stalls: never enters (or finishes) the collective
+        time.sleep(TIMEOUT_S + 1.5)   # stalls: never enters (or finishes) the collective
         return "stalled"
     if where == "backward":
         out = cps.cp_attention(q, k, v, _world(), softcap=5.0)
@@ -222,3 +224,32 @@ def test_mismatch_after_identical_calls_times_out_with_a_message(case):
         assert msg is not None, f"rank {rank} did not fail"
         assert ("differs" in msg) or ("timed out" in msg and f"CP rank {rank}" in msg), msg
         assert elapsed < TIMEOUT_S + 5.0, f"rank {rank} needed {elapsed:.1f}s: {msg}"
+        print(f"drift {name}: rank {rank} failed after {elapsed:.2f}s: {msg[:160]}")
+
+
+def _seen_both_worker(rank, world):
+    """Both ranks have used both signatures before; then they diverge into them."""
+    import cp_softcap as cps
+    for s in (8, 12):
+        cps.cp_attention(*_qkv(s_local=s, seed=rank), _world(), softcap=5.0)
+    for cap in (5.0, 50.0):
+        cps.cp_attention(*_qkv(seed=rank), _world(), softcap=cap)
+    softcap = _timed(lambda: cps.cp_attention(*_qkv(seed=rank), _world(), softcap=5.0 if rank == 0 else 50.0))
+    seq = _timed(lambda: cps.cp_attention(*_qkv(s_local=8 if rank == 0 else 12, seed=rank), _world(), softcap=5.0))
+    return softcap, seq
+
+
+@pytest.mark.timeout(60)
+def test_divergence_into_seen_signatures_needs_check_every_call():
+    """With CP_SOFTCAP_CHECK_EVERY_CALL=1 ranks that diverge into signatures they have each used
+    before fail on every rank with the values. (Without it the first-call check cannot see this:
+    measured, a softcap divergence runs silently and a seq-len one aborts the receiving process
+    inside gloo; see cp_softcap/cp/signature.py.)"""
+    out = spawn(_seen_both_worker, 2, env={**ENV, "CP_SOFTCAP_CHECK_EVERY_CALL": "1"})
+    for rank in (0, 1):
+        status, value = out[rank]
+        assert status == "ok", value
+        (t1, m1), (t2, m2) = value
+        assert m1 and m1.startswith("ValueError") and "softcap differs (rank 0: 5.0, rank 1: 50.0)" in m1, m1
+        assert m2 and m2.startswith("ValueError") and "local seq len differs (rank 0: 8, rank 1: 12)" in m2, m2
+        assert max(t1, t2) < TIMEOUT_S

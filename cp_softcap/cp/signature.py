@@ -1,8 +1,15 @@
 """Fail fast instead of hanging: on the first call per (group, local signature), every rank
 exchanges a small vector describing its call and raises, on every rank, naming the ranks and
-values that differ. A rank that never arrives becomes a timeout error (comm.wait)."""
+values that differ. A rank that never arrives becomes a timeout error (comm.wait).
+
+Checking only first calls leaves one gap: ranks that diverge into signatures each of them has
+already used (rank 0 calls with softcap 5 while rank 1 calls with 50, both seen before) are not
+compared; the call then runs with different options per rank, or, with different sizes, gloo
+aborts the receiving process. CP_SOFTCAP_CHECK_EVERY_CALL=1 exchanges the signature on every
+call (one small all_gather and a host sync per attention call), which catches that too."""
 from __future__ import annotations
 
+import os
 from typing import Dict, Tuple
 
 import torch
@@ -48,7 +55,7 @@ def check_signature(group, q, k, v, spec: AttnSpec, backend: str) -> None:
     """Raise ValueError on every rank if the ranks of `group` disagree on the call."""
     local = _encode(q, k, v, spec, backend)
     key = (id(group), local)
-    if key in _CHECKED:
+    if key in _CHECKED and os.environ.get("CP_SOFTCAP_CHECK_EVERY_CALL", "0") in ("", "0"):
         return
     device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     mine = torch.tensor(local, dtype=torch.float64, device=device)
