@@ -64,6 +64,14 @@ def _export_under_cp(rank, cp):
         torch.onnx.export(Layer(), (ql, kl, vl), f"{tmp}/cp.onnx", dynamo=True)
 
 
+def _torch_export_under_cp(rank, cp):
+    class Layer(torch.nn.Module):
+        def forward(self, q, k, v):
+            return cps.CPAttention(dist.group.WORLD, softcap=50.0)(q, k, v)
+    _, (ql, kl, vl) = _local(rank=rank, cp=cp)
+    torch.export.export(Layer(), (ql, kl, vl))
+
+
 def _empty_batch(rank, cp):
     _, (ql, kl, vl) = _local(b=0, rank=rank, cp=cp)
     ql.requires_grad_(True)
@@ -114,7 +122,9 @@ ROWS = [
     ("forced-sdpa-with-softcap", lambda r, cp: _call(r, cp, softcap=50.0, backend="sdpa"), ValueError,
      r"backend 'sdpa' cannot serve.*softcap=50\.0"),
     ("forced-fa3-under-cp", lambda r, cp: _call(r, cp, backend="fa3"), ValueError, r"fa3"),
-    ("export-under-cp", _export_under_cp, ValueError, r"context-parallel attention \(cp=2\) cannot be exported"),
+    ("torch.export-under-cp", _torch_export_under_cp, ValueError,
+     r"^ValueError: cp_softcap: context-parallel attention \(cp=2\) cannot be exported"),
+    ("onnx-export-under-cp", _export_under_cp, ValueError, r"context-parallel attention \(cp=2\) cannot be exported"),
     ("rank-not-in-group", _not_a_member, ValueError, r"global rank 1 is not a member of the process group"),
     ("transposed-bhsd-storage", lambda r, cp: _check_vs_reference(r, cp, _transposed, softcap=5.0), "ok", ""),
     ("strided-view", lambda r, cp: _check_vs_reference(r, cp, lambda t: torch.stack([t, 0 * t], -1)[..., 0],
