@@ -6,9 +6,10 @@
 """
 from .api import attention
 from .module import CPAttention, cp_attention
+from .cp.dispatch import make_hybrid_groups
 from . import sharding
 from .selector import Selection, select
 from .spec import AttnSpec, make_spec
 
-__all__ = ["sharding", "attention", "cp_attention", "CPAttention", "select", "Selection", "AttnSpec", "make_spec"]
+__all__ = ["make_hybrid_groups", "sharding", "attention", "cp_attention", "CPAttention", "select", "Selection", "AttnSpec", "make_spec"]
 __version__ = "0.1.0"

@@ -119,3 +119,46 @@ class Exchange:
         if self.recv_target is not None and self.recv_buf is not self.recv_target:
             self.recv_target.copy_(self.recv_buf, non_blocking=False)
         return self.recv_target
+
+
+# torch >= 2.13 renamed the tensor collectives; older releases (the GPU machine's 2.11) have
+# only the old names. Same signatures.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather(x: torch.Tensor, group, op: str, async_op: bool = False):
+    """[n] on each rank -> [cp, n] (rank order). Returns (output, work or None)."""
+    cp = dist.get_world_size(group)
+    flat = torch.empty(cp * x.numel(), dtype=x.dtype, device=x.device)
+    out = flat.view((cp,) + tuple(x.shape))
+    count_bytes(op, x, cp - 1)
+    work = _all_gather_single(flat, x.contiguous().view(-1), group=group, async_op=True)
+    if async_op:
+        return out, work
+    wait(work, op, group)
+    return out, None
+
+
+def reduce_scatter(x: torch.Tensor, group, op: str) -> torch.Tensor:
+    """[cp, ...] summed over ranks; this rank gets slot `rank`."""
+    cp = dist.get_world_size(group)
+    out = torch.empty(x[0].numel(), dtype=x.dtype, device=x.device)
+    count_bytes(op, x[0], cp - 1)
+    wait(_reduce_scatter_single(out, x.contiguous().view(-1), group=group, async_op=True), op, group)
+    return out.view(x.shape[1:])
+
+
+def all_to_all(x: torch.Tensor, group, op: str) -> torch.Tensor:
+    """[cp, ...]: slot j goes to rank j; returns [cp, ...] with slot j from rank j."""
+    cp = dist.get_world_size(group)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    count_bytes(op, x[0], cp - 1)
+    wait(dist.all_to_all_single(out, x.contiguous(), group=group, async_op=True), op, group)
+    return out
+
+
+def count_bytes(op: str, piece: torch.Tensor, times: int) -> None:
+    """Record `times` copies of `piece` sent by this rank (collectives' algorithmic volume)."""
+    for c in _COUNTERS:
+        c.sent[op] += piece.numel() * piece.element_size() * times

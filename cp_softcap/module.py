@@ -10,9 +10,24 @@ import torch.distributed as dist
 from .api import attention
 
 
+def _as_group(group, comm: str):
+    """A 1-D DeviceMesh stands for its process group (2-D meshes are for comm='a2a+p2p')."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover
+        return group
+    if isinstance(group, DeviceMesh) and comm != "a2a+p2p":
+        if group.ndim != 1:
+            raise ValueError(f"a {group.ndim}-D DeviceMesh needs comm='a2a+p2p'; pass mesh['cp'] for comm={comm!r}")
+        return group.get_group()
+    return group
+
+
 def _group_size(group) -> int:
     if group is None:
         return 1
+    if isinstance(group, (tuple, list)):
+        raise ValueError("a pair of groups is only meaningful with comm='a2a+p2p'")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("cp_attention got a process group but torch.distributed is not initialised; "
                            "call torch.distributed.init_process_group first (torchrun sets the env), "
@@ -32,8 +47,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, 
     softcap/window/scale/causal mean what they mean for cps.attention, in GLOBAL positions.
     comm: "ring" | "all_gather" | "a2a" | "a2a+p2p" | "auto". group None or of size 1: one device.
     """
-    cp = _group_size(group)
-    if cp == 1:
+    group = _as_group(group, comm)
+    if comm != "a2a+p2p" and _group_size(group) == 1:
         return attention(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
                          backend=backend)
     from .cp.dispatch import run_cp

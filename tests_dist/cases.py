@@ -15,7 +15,10 @@ from cp_softcap.testing import (TOLERANCES, check_against_reference, reference_w
 def run_case(case: dict, seed: int, group=None, comm: str = "ring", backend: str = "auto"):
     """case keys: b, s, hq, hkv, d, dtype, softcap, causal, window, scale. Returns error dict."""
     group = group or dist.group.WORLD
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    if comm == "a2a+p2p":   # (a2a, ring) groups built from consecutive ranks of WORLD
+        cp, rank = dist.get_world_size(), dist.get_rank()
+    else:
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
     torch.manual_seed(seed)
     dtype, cap = case["dtype"], case.get("softcap")
     q, k, v, frac = saturating_qkv(case["b"], case["s"], case["s"], case["hq"], case["hkv"],

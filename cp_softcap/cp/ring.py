@@ -35,93 +35,102 @@ def _step_peers(need, cp: int, rank: int, s: int):
 # as NCCL and gloo require, even though pairs with nothing to exchange post nothing.
 
 
-class RingAttention(torch.autograd.Function):
+def ring_forward(q, k, v, group, kernel, scale, softcap, window):
+    """-> (out float32 [B, S, Hq, Dv], lse float32 [B, Hq, S]) for this rank's zigzag queries."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunk = q.shape[1] // 2
+    need = needs(cp, chunk, window)
+    own = pack(k, v)
+    acc_out, acc_lse = new_accumulator(q.shape, v.shape[-1], q.dtype, q.device)
 
-    @staticmethod
-    def forward(ctx, q, k, v, group, kernel, scale, softcap, window):
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        chunk = q.shape[1] // 2
-        need = needs(cp, chunk, window)
-        own = pack(k, v)
-        acc_out, acc_lse = new_accumulator(q.shape, v.shape[-1], q.dtype, q.device)
+    def post(s):
+        src, dst, recv, send = _step_peers(need, cp, rank, s)
+        return Exchange(group, "ring.fwd.kv").start(own if send else None, dst,
+                                                    own if recv else None, src)
 
-        def post(s):
-            src, dst, recv, send = _step_peers(need, cp, rank, s)
-            return Exchange(group, "ring.fwd.kv").start(own if send else None, dst,
-                                                        own if recv else None, src)
+    pending = post(1) if cp > 1 else None
+    for s in range(cp):
+        src, _, recv, _ = _step_peers(need, cp, rank, s)
+        kv = own if s == 0 else pending.wait()
+        if 0 < s < cp - 1:
+            pending = post(s + 1)
+        if not recv:
+            continue
+        ks, vs = unpack(kv, k.shape, v.shape)
+        for c in plan_step(cp, rank, src, chunk, window):
+            out, lse = kernel.forward(q[:, c.q0:c.q1], ks[:, c.k0:c.k1], vs[:, c.k0:c.k1],
+                                      scale=scale, softcap=softcap, window=c.window)
+            merge_into(acc_out[:, c.q0:c.q1], acc_lse[:, :, c.q0:c.q1], out, lse)
+    return acc_out, acc_lse
 
-        pending = post(1) if cp > 1 else None
-        for s in range(cp):
-            src, _, recv, _ = _step_peers(need, cp, rank, s)
-            kv = own if s == 0 else pending.wait()
-            if 0 < s < cp - 1:
-                pending = post(s + 1)
-            if not recv:
-                continue
-            ks, vs = unpack(kv, k.shape, v.shape)
-            for c in plan_step(cp, rank, src, chunk, window):
-                out, lse = kernel.forward(q[:, c.q0:c.q1], ks[:, c.k0:c.k1], vs[:, c.k0:c.k1],
-                                          scale=scale, softcap=softcap, window=c.window)
-                merge_into(acc_out[:, c.q0:c.q1], acc_lse[:, :, c.q0:c.q1], out, lse)
-        # The backward gets the float32 merged output: D = rowsum(dO * O) computed from a
-        # 16-bit O loses the gradient of near one-hot (saturated) rows (measured: dq error
-        # 0.14 instead of 0.003 in bf16 at cp=4, softcap 50).
-        ctx.save_for_backward(q, k, v, acc_out, acc_lse)
-        out = acc_out.to(q.dtype)
-        ctx.group, ctx.kernel, ctx.scale, ctx.softcap, ctx.window = group, kernel, scale, softcap, window
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, kernel, window = ctx.group, ctx.kernel, ctx.window
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        chunk = q.shape[1] // 2
-        need = needs(cp, chunk, window)
-        own = pack(k, v)
-        gdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        dq = torch.zeros(q.shape, dtype=gdt, device=q.device)
-        d_own = torch.zeros(own.shape, dtype=gdt, device=q.device)
+def ring_backward(dout, q, k, v, out, lse, group, kernel, scale, softcap, window):
+    """-> float32 (dq, dk, dv) of this rank's shards. out/lse: the final merged values."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunk = q.shape[1] // 2
+    need = needs(cp, chunk, window)
+    own = pack(k, v)
+    gdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(q.shape, dtype=gdt, device=q.device)
+    d_own = torch.zeros(own.shape, dtype=gdt, device=q.device)
 
-        def post_kv(s):
-            src, dst, recv, send = _step_peers(need, cp, rank, s)
-            return Exchange(group, "ring.bwd.kv").start(own if send else None, dst,
-                                                        own if recv else None, src)
+    def post_kv(s):
+        src, dst, recv, send = _step_peers(need, cp, rank, s)
+        return Exchange(group, "ring.bwd.kv").start(own if send else None, dst,
+                                                    own if recv else None, src)
 
-        def pair_grads(kv, src):
-            ks, vs = unpack(kv, k.shape, v.shape)
-            d_kv = torch.zeros(own.shape, dtype=gdt, device=q.device)
-            dk, dv = unpack(d_kv, k.shape, v.shape)
-            for c in plan_step(cp, rank, src, chunk, window):
-                gq, gk, gv = kernel.backward(
-                    dout[:, c.q0:c.q1], q[:, c.q0:c.q1], ks[:, c.k0:c.k1], vs[:, c.k0:c.k1],
-                    out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1], scale=ctx.scale,
-                    softcap=ctx.softcap, window=c.window)
-                dq[:, c.q0:c.q1] += gq
-                dk[:, c.k0:c.k1] += gk
-                dv[:, c.k0:c.k1] += gv
-            return d_kv
+    def pair_grads(kv, src):
+        ks, vs = unpack(kv, k.shape, v.shape)
+        d_kv = torch.zeros(own.shape, dtype=gdt, device=q.device)
+        dk, dv = unpack(d_kv, k.shape, v.shape)
+        for c in plan_step(cp, rank, src, chunk, window):
+            gq, gk, gv = kernel.backward(
+                dout[:, c.q0:c.q1], q[:, c.q0:c.q1], ks[:, c.k0:c.k1], vs[:, c.k0:c.k1],
+                out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1], scale=scale, softcap=softcap,
+                window=c.window)
+            dq[:, c.q0:c.q1] += gq
+            dk[:, c.k0:c.k1] += gk
+            dv[:, c.k0:c.k1] += gv
+        return d_kv
 
-        pending_kv = post_kv(1) if cp > 1 else None
-        pending_grad = None
-        for s in range(cp):
-            src, dst, recv, send = _step_peers(need, cp, rank, s)
-            kv = own if s == 0 else pending_kv.wait()
-            if 0 < s < cp - 1:
-                pending_kv = post_kv(s + 1)
-            d_src = pair_grads(kv, src) if recv else None
-            if s == 0:
-                d_own += d_src
-                continue
-            posted = Exchange(group, "ring.bwd.dkv").start(d_src, src, d_own if send else None, dst)
-            if pending_grad is not None:
-                received = pending_grad.wait()
-                if received is not None:
-                    d_own += received
-            pending_grad = posted
+    pending_kv = post_kv(1) if cp > 1 else None
+    pending_grad = None
+    for s in range(cp):
+        src, dst, recv, send = _step_peers(need, cp, rank, s)
+        kv = own if s == 0 else pending_kv.wait()
+        if 0 < s < cp - 1:
+            pending_kv = post_kv(s + 1)
+        d_src = pair_grads(kv, src) if recv else None
+        if s == 0:
+            d_own += d_src
+            continue
+        posted = Exchange(group, "ring.bwd.dkv").start(d_src, src, d_own if send else None, dst)
         if pending_grad is not None:
             received = pending_grad.wait()
             if received is not None:
                 d_own += received
-        dk, dv = unpack(d_own, k.shape, v.shape)
+        pending_grad = posted
+    if pending_grad is not None:
+        received = pending_grad.wait()
+        if received is not None:
+            d_own += received
+    dk, dv = unpack(d_own, k.shape, v.shape)
+    return dq, dk, dv
+
+
+class RingAttention(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, kernel, scale, softcap, window):
+        out, lse = ring_forward(q, k, v, group, kernel, scale, softcap, window)
+        # The backward gets the float32 merged output: D = rowsum(dO * O) computed from a
+        # 16-bit O loses the gradient of near one-hot (saturated) rows.
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group, kernel, scale, softcap, window)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None

@@ -1,0 +1,126 @@
+"""All-gather context parallelism (Llama-3 style) on the zigzag layout.
+
+K/V are gathered in two pieces: the first halves of every rank (global chunks 0..cp-1, which
+arrive in natural order) and the second halves (chunks 2cp-1..cp, reversed). Each local query
+chunk attends to exactly its visible key range (causal prefix, trimmed by the window) in ONE
+kernel call, no merge. The first local chunk (global chunk r) under causal attention needs only
+first halves, so it is computed while the second gather is still in flight. A chunk whose range
+lies in one half uses a view of that half; only a range that straddles both is concatenated.
+Backward re-gathers K/V (no S-sized buffers kept between passes), accumulates dK/dV in float32
+in global order and reduce-scatters them in float32 to their zigzag owners.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm import all_gather, reduce_scatter, wait
+from ..layout import plan_pair
+from .packing import pack, unpack
+
+
+class _Gathered:
+    """The two gathered halves of K/V, in global order, with lazy views of key ranges."""
+
+    def __init__(self, k, v, group, op):
+        self.cp, self.k_shape, self.v_shape = dist.get_world_size(group), k.shape, v.shape
+        self.half = k.shape[1] // 2
+        k1, k2 = k.chunk(2, dim=1)
+        v1, v2 = v.chunk(2, dim=1)
+        self.group, self.op = group, op
+        self.first, self.w1 = all_gather(pack(k1, v1), group, op, async_op=True)
+        self.second, self.w2 = all_gather(pack(k2, v2), group, op, async_op=True)
+        self._halves = [None, None]
+
+    def _half(self, i):
+        if self._halves[i] is None:
+            buf, work = (self.first, self.w1) if i == 0 else (self.second, self.w2)
+            wait(work, self.op, self.group)
+            hk = (self.k_shape[0], self.half) + tuple(self.k_shape[2:])
+            hv = (self.v_shape[0], self.half) + tuple(self.v_shape[2:])
+            ranks = range(self.cp) if i == 0 else reversed(range(self.cp))
+            parts = [unpack(buf[r], hk, hv) for r in ranks]
+            self._halves[i] = (torch.cat([p[0] for p in parts], dim=1),
+                               torch.cat([p[1] for p in parts], dim=1))
+        return self._halves[i]
+
+    def keys(self, k0: int, k1: int):
+        """(K, V) views/copies of global key range [k0, k1)."""
+        mid = self.cp * self.half
+        if k1 <= mid:
+            k, v = self._half(0)
+            return k[:, k0:k1], v[:, k0:k1]
+        if k0 >= mid:
+            k, v = self._half(1)
+            return k[:, k0 - mid:k1 - mid], v[:, k0 - mid:k1 - mid]
+        (ka, va), (kb, vb) = self._half(0), self._half(1)
+        return (torch.cat([ka[:, k0:], kb[:, :k1 - mid]], dim=1),
+                torch.cat([va[:, k0:], vb[:, :k1 - mid]], dim=1))
+
+
+def _chunk_calls(cp: int, rank: int, chunk: int, window):
+    """Per local chunk: (local q row offset, plan) with plan = (q0, q1, k0, k1, local window) in
+    the chunk's rows and GLOBAL key positions, or None when the chunk sees nothing."""
+    total = 2 * cp * chunk
+    out = []
+    for i, g in enumerate((rank, 2 * cp - 1 - rank)):
+        out.append((i * chunk, plan_pair(g * chunk, chunk, 0, total, window)))
+    return out
+
+
+class AllGatherAttention(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, kernel, scale, softcap, window):
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        chunk = q.shape[1] // 2
+        kv = _Gathered(k, v, group, "all_gather.fwd.kv")
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:1] + (q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
+        for row, plan in _chunk_calls(cp, rank, chunk, window):
+            if plan is None:
+                continue
+            q0, q1, k0, k1, w = plan
+            ks, vs = kv.keys(k0, k1)
+            o, l = kernel.forward(q[:, row + q0:row + q1], ks, vs, scale=scale, softcap=softcap, window=w)
+            out[:, row + q0:row + q1] = o
+            lse[:, :, row + q0:row + q1] = l
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group, kernel, scale, softcap, window)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, kernel, scale, softcap, window = ctx.args
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        chunk = q.shape[1] // 2
+        kv = _Gathered(k, v, group, "all_gather.bwd.kv")
+        gdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        total = 2 * cp * chunk
+        dq = torch.zeros(q.shape, dtype=gdt, device=q.device)
+        dk_full = torch.zeros((k.shape[0], total) + tuple(k.shape[2:]), dtype=gdt, device=q.device)
+        dv_full = torch.zeros((v.shape[0], total) + tuple(v.shape[2:]), dtype=gdt, device=q.device)
+        for row, plan in _chunk_calls(cp, rank, chunk, window):
+            if plan is None:
+                continue
+            q0, q1, k0, k1, w = plan
+            ks, vs = kv.keys(k0, k1)
+            rows = slice(row + q0, row + q1)
+            gq, gk, gv = kernel.backward(dout[:, rows], q[:, rows], ks, vs, out[:, rows],
+                                         lse[:, :, rows], scale=scale, softcap=softcap, window=w)
+            dq[:, rows] += gq
+            dk_full[:, k0:k1] += gk
+            dv_full[:, k0:k1] += gv
+        # reorder global dK/dV into per-owner zigzag slots and reduce-scatter in float32
+        slots = torch.stack([pack(*_owner_shard(dk_full, dv_full, cp, r)) for r in range(cp)])
+        mine = reduce_scatter(slots, group, "all_gather.bwd.dkv")
+        dk, dv = unpack(mine, k.shape, v.shape)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def _owner_shard(dk_full, dv_full, cp, r):
+    chunks_k, chunks_v = dk_full.chunk(2 * cp, dim=1), dv_full.chunk(2 * cp, dim=1)
+    a, b = r, 2 * cp - 1 - r
+    return (torch.cat([chunks_k[a], chunks_k[b]], dim=1), torch.cat([chunks_v[a], chunks_v[b]], dim=1))

@@ -1,0 +1,77 @@
+"""All-to-all transforms between sequence-sharded and head-sharded layouts (Ulysses).
+
+Within a group of I ranks (rank i holds zigzag halves (first_i, second_i), each c tokens),
+seq_to_heads gives every rank the group's whole sequence for its own heads, ordered
+    first_0, first_1, ..., first_{I-1}, second_{I-1}, ..., second_0
+which is natural order when the group is the whole CP group, and the zigzag layout of the outer
+ring (super-chunks o and 2*outer-1-o) when it is the inner group of a hybrid a2a+p2p mesh.
+
+Head assignment: rank j receives query heads [j*Hq/I, (j+1)*Hq/I). K/V heads are split the same
+way when Hkv % I == 0; otherwise they are replicated so each rank has the KV heads its query
+heads use (GQA models with Hkv < cp keep working); gradients of replicas are summed back.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from ..comm import all_to_all
+
+
+def query_head_index(hq: int, ranks: int) -> List[List[int]]:
+    per = hq // ranks
+    return [list(range(j * per, (j + 1) * per)) for j in range(ranks)]
+
+
+def kv_head_index(hq: int, hkv: int, ranks: int) -> List[List[int]]:
+    """KV heads each rank needs, so that local query head i uses local KV head i // (hq/ranks/len)."""
+    per_q, group = hq // ranks, hq // hkv
+    if hkv % ranks == 0:
+        per = hkv // ranks
+        return [list(range(j * per, (j + 1) * per)) for j in range(ranks)]
+    if group % per_q == 0:             # every local query head shares one KV head
+        return [[(j * per_q) // group] for j in range(ranks)]
+    return [[(j * per_q + i) // group for i in range(per_q)] for j in range(ranks)]
+
+
+def _order(recv: torch.Tensor) -> torch.Tensor:
+    """[I, B, 2c, h, D] per source rank -> [B, 2cI, h, D] in the documented sequence order."""
+    first, second = recv.chunk(2, dim=2)
+    return torch.cat([torch.cat(first.unbind(0), dim=1), torch.cat(second.flip(0).unbind(0), dim=1)], dim=1)
+
+
+def _unorder(x: torch.Tensor, ranks: int) -> torch.Tensor:
+    """Inverse of _order: [B, 2cI, h, D] -> [I, B, 2c, h, D] (each source rank's tokens)."""
+    first, second = x.chunk(2, dim=1)
+    firsts = first.chunk(ranks, dim=1)
+    seconds = second.chunk(ranks, dim=1)[::-1]
+    return torch.stack([torch.cat([f, s], dim=1) for f, s in zip(firsts, seconds)])
+
+
+def seq_to_heads(x: torch.Tensor, group, index: List[List[int]], op: str) -> torch.Tensor:
+    """x [B, 2c, H, D] (this rank's tokens, all heads) -> [B, 2cI, h, D] (group's tokens, heads
+    index[rank])."""
+    ranks = dist.get_world_size(group)
+    flat = torch.tensor([i for idx in index for i in idx], device=x.device)
+    b, s, _, d = x.shape
+    send = x.index_select(2, flat).view(b, s, ranks, len(index[0]), d).permute(2, 0, 1, 3, 4)
+    return _order(all_to_all(send, group, op))
+
+
+def heads_to_seq(y: torch.Tensor, group, op: str) -> torch.Tensor:
+    """y [B, 2cI, h, D] (group's tokens, this rank's h query heads) -> [B, 2c, I*h, D]."""
+    ranks = dist.get_world_size(group)
+    recv = all_to_all(_unorder(y, ranks), group, op)          # [I(src), B, 2c, h, D]
+    return torch.cat(recv.unbind(0), dim=2)
+
+
+def heads_to_seq_sum(g: torch.Tensor, group, index: List[List[int]], num_heads: int, op: str) -> torch.Tensor:
+    """Adjoint of seq_to_heads: g [B, 2cI, h, D] -> [B, 2c, H, D], summing replicated heads."""
+    ranks = dist.get_world_size(group)
+    recv = all_to_all(_unorder(g, ranks), group, op)          # [I(src), B, 2c, h, D]
+    out = torch.zeros(recv.shape[1:3] + (num_heads, recv.shape[-1]), dtype=g.dtype, device=g.device)
+    for j in range(ranks):                                    # fixed order: deterministic
+        out.index_add_(2, torch.tensor(index[j], device=g.device), recv[j])
+    return out
