@@ -33,8 +33,8 @@ def bytes_per_rank(spec: AttnSpec, seq_len: int, batch: int = 1) -> Dict[str, fl
     }
     if hq % cp == 0:
         frac = (cp - 1) / cp
-        kv_heads_sent = sum(len(i) for i in kv_head_index(hq, hkv, cp)) / cp * cp  # per rank, all peers
-        kv_eff = batch * n * kv_heads_sent / cp * (d + dv)
+        kv_heads_sent = sum(len(i) for i in kv_head_index(hq, hkv, cp))  # replicas included
+        kv_eff = batch * n * kv_heads_sent * (d + dv)
         q_tok = batch * n * hq * d
         o_tok = batch * n * hq * dv
         out["a2a"] = frac * ((q_tok + o_tok + kv_eff) * e + (o_tok * e) + (q_tok + kv_eff) * g)
