@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     p.add_argument("--comm", default="ring")
     p.add_argument("--no-backward", action="store_true", help="forward only (inference)")
     p.add_argument("--backend", default="auto", help="force a kernel, as backend= does")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="global sequence length: with --cp > 1, print comm='auto''s choice and its byte model")
     a = p.parse_args(argv)
     try:
         spec = make_spec(head_dim=a.head_dim, num_heads=a.heads, num_kv_heads=a.kv_heads or a.heads,
@@ -48,6 +50,13 @@ def main(argv=None) -> int:
         return 2
     print(f"spec: {spec.describe()}")
     print(sel.table())
+    if a.cp > 1 and a.seq_len:
+        from .cp.auto import describe_comm_choice
+        try:
+            print(describe_comm_choice(spec, a.seq_len))
+        except (ValueError, ZeroDivisionError) as e:
+            print(f"error: cannot model comm for --seq-len {a.seq_len}: {e}", file=sys.stderr)
+            return 2
     return 0
 
 
