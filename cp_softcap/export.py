@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 import torch
 
 from .spec import Window
+from .kernels.base import grad_dtype
 
 _NEG_INF = float("-inf")
 
@@ -44,7 +45,7 @@ def export_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
                      ) -> Tuple[torch.Tensor, torch.Tensor]:
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq]
     float32, float64 for float64 inputs). Exportable: static shapes in, no data-dependent control flow."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = grad_dtype(q.dtype)
     b, sq, hq, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     g = hq // hkv

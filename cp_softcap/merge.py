@@ -11,6 +11,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .kernels.base import grad_dtype
+
 
 def clean_lse(lse: torch.Tensor) -> torch.Tensor:
     """Map flash-attn 2's +inf (empty row) to -inf; other values unchanged."""
@@ -72,7 +74,7 @@ def new_accumulator(q_shape, head_dim_v: int, dtype: torch.dtype, device
                     ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Empty (out, lse) accumulator for queries of shape [B, S, H, D]: out = 0, lse = -inf."""
     b, s, h, _ = q_shape
-    acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    acc_dtype = grad_dtype(dtype)
     out = torch.zeros(b, s, h, head_dim_v, dtype=acc_dtype, device=device)
     lse = torch.full((b, h, s), float("-inf"), dtype=acc_dtype, device=device)
     return out, lse

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from .ring import ring_backward, ring_forward
 from .ulysses import heads_to_seq, heads_to_seq_sum, kv_head_index, query_head_index, seq_to_heads
+from ..kernels.base import grad_dtype
 
 
 def check_heads(hq: int, hkv: int, inner: int, rank: int) -> None:
@@ -26,7 +27,7 @@ def check_heads(hq: int, hkv: int, inner: int, rank: int) -> None:
 def _local_attention(q, k, v, kernel, scale, softcap, window):
     """Whole-sequence attention on one rank (no outer ring); float32 out for the backward."""
     out, lse = kernel.forward(q, k, v, scale=scale, softcap=softcap, window=window)
-    return out.to(torch.float64 if q.dtype == torch.float64 else torch.float32), lse
+    return out.to(grad_dtype(q.dtype)), lse
 
 
 class UlyssesAttention(torch.autograd.Function):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ..comm import all_gather, reduce_scatter, wait
 from ..layout import plan_pair
 from .packing import pack, unpack
+from ..kernels.base import grad_dtype
 
 
 class _Gathered:
@@ -75,7 +76,7 @@ class AllGatherAttention(torch.autograd.Function):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         chunk = q.shape[1] // 2
         kv = _Gathered(k, v, group, "all_gather.fwd.kv")
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = grad_dtype(q.dtype)
         out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=acc, device=q.device)
         lse = torch.full(q.shape[:1] + (q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
         for row, plan in _chunk_calls(cp, rank, chunk, window):
@@ -97,7 +98,7 @@ class AllGatherAttention(torch.autograd.Function):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         chunk = q.shape[1] // 2
         kv = _Gathered(k, v, group, "all_gather.bwd.kv")
-        gdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        gdt = grad_dtype(q.dtype)
         total = 2 * cp * chunk
         dq = torch.zeros(q.shape, dtype=gdt, device=q.device)
         dk_full = torch.zeros((k.shape[0], total) + tuple(k.shape[2:]), dtype=gdt, device=q.device)

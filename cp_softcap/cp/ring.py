@@ -21,6 +21,7 @@ from ..comm import Exchange
 from ..layout import needs, plan_step
 from ..merge import merge_into, new_accumulator
 from .packing import pack, unpack
+from ..kernels.base import grad_dtype
 
 
 def _step_peers(need, cp: int, rank: int, s: int):
@@ -70,7 +71,7 @@ def ring_backward(dout, q, k, v, out, lse, group, kernel, scale, softcap, window
     chunk = q.shape[1] // 2
     need = needs(cp, chunk, window)
     own = pack(k, v)
-    gdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    gdt = grad_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=gdt, device=q.device)
     d_own = torch.zeros(own.shape, dtype=gdt, device=q.device)
 

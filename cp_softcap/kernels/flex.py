@@ -26,7 +26,7 @@ import torch
 
 from ..spec import Window
 from ._common import empty_result, try_import, zero_grads
-from .base import Capabilities, Kernel
+from .base import Capabilities, Kernel, grad_dtype
 
 _NEG_INF = float("-inf")
 
@@ -42,7 +42,7 @@ def reweighted_grads_inputs(dout, out_c, lse_c, out, lse, dlse):
 
     dout [B,Sq,H,D], out_c/out [B,Sq,H,D], lse_c/lse/dlse [B,H,Sq]. Returns dout' in dout's
     dtype ([B,Sq,H,D]) and dlse' float32 (float64 for float64) [B,H,Sq]. Pure tensor math (unit-tested on CPU)."""
-    acc = torch.float64 if dout.dtype == torch.float64 else torch.float32
+    acc = grad_dtype(dout.dtype)
     w = _row_weight(lse_c.to(acc), lse.to(acc))                     # [B, H, Sq]
     w_bs = w.transpose(1, 2).unsqueeze(-1)                           # [B, Sq, H, 1]
     dout_p = (dout.to(acc) * w_bs).to(dout.dtype)
