@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from datetime import timedelta
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -85,40 +85,50 @@ def _timeout_message(op: str, group, limit: float, cause) -> str:
 
 
 class Exchange:
-    """One step's point-to-point traffic: optional send to a peer and optional receive from one.
-    Peers are ranks within `group`. Post with start(); wait() returns the received tensor."""
+    """One batch of point-to-point traffic: sends to peers and receives into given tensors.
+    Peers are ranks within `group`. Add with send()/recv(), post with start(); after wait()
+    every recv target holds its message. A target that is not contiguous, or a CUDA target
+    under gloo, receives through a temporary that is copied in after the wait."""
 
     def __init__(self, group, op: str):
         self.group, self.op = group, op
+        self.ops: list = []
         self.works: list = []
-        self.recv_buf: Optional[torch.Tensor] = None
-        self.recv_target: Optional[torch.Tensor] = None
+        self._copies: list = []          # (target, temporary) pairs to copy after the wait
         self._keep_alive: list = []
 
-    def start(self, send: Optional[torch.Tensor], send_to: Optional[int],
-              recv_like: Optional[torch.Tensor], recv_from: Optional[int]) -> "Exchange":
-        ops = []
-        if send is not None and send_to is not None:
-            buf = send.detach().cpu() if needs_staging(self.group, send) else send.detach().contiguous()
-            self._keep_alive.append(buf)
-            count(self.op, buf)
-            ops.append(dist.P2POp(dist.isend, buf, dist.get_global_rank(self.group, send_to), self.group))
-        if recv_like is not None and recv_from is not None:
-            self.recv_target = torch.empty_like(recv_like, memory_format=torch.contiguous_format)
-            staged = needs_staging(self.group, recv_like)
-            self.recv_buf = torch.empty(recv_like.shape, dtype=recv_like.dtype) if staged else self.recv_target
-            ops.append(dist.P2POp(dist.irecv, self.recv_buf, dist.get_global_rank(self.group, recv_from), self.group))
-        if ops:
-            self.works = dist.batch_isend_irecv(ops)
+    def send(self, tensor: torch.Tensor, peer: int) -> "Exchange":
+        buf = tensor.detach()
+        buf = buf.cpu() if needs_staging(self.group, buf) else buf.contiguous()
+        self._keep_alive.append(buf)
+        count(self.op, buf)
+        self.ops.append(dist.P2POp(dist.isend, buf, dist.get_global_rank(self.group, peer), self.group))
         return self
 
-    def wait(self) -> Optional[torch.Tensor]:
+    def recv(self, target: torch.Tensor, peer: int) -> "Exchange":
+        if needs_staging(self.group, target):
+            buf = torch.empty(target.shape, dtype=target.dtype)
+        elif not target.is_contiguous():
+            buf = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+        else:
+            buf = target
+        if buf is not target:
+            self._copies.append((target, buf))
+        self.ops.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(self.group, peer), self.group))
+        return self
+
+    def start(self) -> "Exchange":
+        if self.ops:
+            self.works = dist.batch_isend_irecv(self.ops)
+        self.ops = []
+        return self
+
+    def wait(self) -> None:
         for w in self.works:
             wait(w, self.op, self.group)
-        self.works, self._keep_alive = [], []
-        if self.recv_target is not None and self.recv_buf is not self.recv_target:
-            self.recv_target.copy_(self.recv_buf, non_blocking=False)
-        return self.recv_target
+        for target, buf in self._copies:
+            target.copy_(buf)
+        self.works, self._copies, self._keep_alive = [], [], []
 
 
 # torch >= 2.13 renamed the tensor collectives; older releases (the GPU machine's 2.11) have

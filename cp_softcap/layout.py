@@ -126,3 +126,80 @@ def needs(cp: int, chunk: int, window: Window) -> Tuple[Tuple[bool, ...], ...]:
     """needs[q_rank][kv_rank]: whether q_rank's queries see any of kv_rank's keys."""
     return tuple(tuple(bool(plan_step(cp, q, kv, chunk, window)) for kv in range(cp))
                  for q in range(cp))
+
+
+@lru_cache(maxsize=4096)
+def key_range(cp: int, q_rank: int, kv_rank: int, chunk: int, window: Window
+              ) -> Optional[Tuple[int, int]]:
+    """[k0, k1) of kv_rank's local keys that q_rank's queries see (what the ring sends), or None.
+    Under causal zigzag an earlier rank's second chunk is never visible: half-size messages."""
+    calls = plan_step(cp, q_rank, kv_rank, chunk, window)
+    if not calls:
+        return None
+    return min(c.k0 for c in calls), max(c.k1 for c in calls)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Keys [k0, k1) of rank `src`, received at ring step `step`, stored at [off, off + k1 - k0)
+    of the block's K/V buffers."""
+    step: int
+    src: int
+    k0: int
+    k1: int
+    off: int
+
+
+@lru_cache(maxsize=4096)
+def block_plan(cp: int, rank: int, chunk: int, window: Window, steps: Tuple[int, ...]
+               ) -> Tuple[Tuple[Slot, ...], Tuple[PairCall, ...]]:
+    """The slots and kernel calls of one ring block (consecutive steps received together).
+
+    Calls are in block-buffer key coordinates. Consecutive slots whose step is one full call over
+    the same query rows are coalesced into ONE call over their concatenated keys: softmax over a
+    union of fully visible key sets does not depend on their order, and a few long calls run
+    much faster than many short ones on a GPU."""
+    slots, off = [], 0
+    for s in steps:
+        src = (rank - s) % cp
+        kr = key_range(cp, rank, src, chunk, window)
+        if kr is not None:
+            slots.append(Slot(s, src, kr[0], kr[1], off))
+            off += kr[1] - kr[0]
+    calls = []
+    for slot in slots:
+        step_calls = plan_step(cp, rank, slot.src, chunk, window)
+        shift = slot.off - slot.k0
+        mergeable = len(step_calls) == 1 and step_calls[0].full
+        prev = calls[-1] if calls else None
+        if (mergeable and prev is not None and prev.full and prev.k1 == slot.off
+                and (prev.q0, prev.q1) == (step_calls[0].q0, step_calls[0].q1)):
+            calls[-1] = PairCall(prev.q0, prev.q1, prev.k0, slot.off + slot.k1 - slot.k0, prev.window)
+            continue
+        calls.extend(PairCall(c.q0, c.q1, c.k0 + shift, c.k1 + shift, c.window) for c in step_calls)
+    return tuple(slots), tuple(calls)
+
+
+DEFAULT_BLOCK_KEYS = 16384
+
+
+def block_keys() -> int:
+    """Keys a ring block aims for (env CP_SOFTCAP_RING_BLOCK_KEYS, default 16384; 0 = one step
+    per block)."""
+    import os
+    raw = os.environ.get("CP_SOFTCAP_RING_BLOCK_KEYS", "")
+    try:
+        value = int(raw) if raw else DEFAULT_BLOCK_KEYS
+    except ValueError:
+        raise ValueError(f"CP_SOFTCAP_RING_BLOCK_KEYS must be an integer number of keys, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"CP_SOFTCAP_RING_BLOCK_KEYS must be >= 0, got {value}")
+    return value
+
+
+def ring_blocks(cp: int, local_len: int, keys: int) -> Tuple[Tuple[int, ...], ...]:
+    """Steps 1..cp-1 split into consecutive blocks of max(1, keys // local_len) steps. The same
+    on every rank (local_len is), so every rank posts its messages in the same global order."""
+    per = max(1, keys // max(local_len, 1))
+    steps = list(range(1, cp))
+    return tuple(tuple(steps[i:i + per]) for i in range(0, len(steps), per))

@@ -1,16 +1,25 @@
 """Ring (point-to-point) context parallelism on the zigzag layout.
 
 Step s: rank r computes its queries against the K/V of rank (r - s) mod cp, received directly
-from that rank, while the K/V for the next step are already in flight (posted before compute).
-Only pairs that see something exchange and compute anything (layout.needs): with a sliding
-window most steps vanish, and a rank waits only for the peers whose keys its queries can see.
-A strictly forwarding ring cannot skip steps under zigzag (rank r needs rank r+1, cp-1 hops
-away), which is why each step talks to its source rank directly.
+from that rank. Only pairs that see something exchange and compute anything (layout.needs), and
+only the keys the receiver sees travel (layout.key_range: under causal attention an earlier
+rank sends just its first chunk). With a sliding window most steps vanish and a rank waits only
+for the peers whose keys its queries can see. A strictly forwarding ring cannot skip steps under
+zigzag (rank r needs rank r+1, cp-1 hops away), which is why each step talks to its source rank
+directly.
+
+Steps are grouped into blocks (layout.ring_blocks, about CP_SOFTCAP_RING_BLOCK_KEYS keys each,
+the same blocks on every rank). A block's K/V land in one buffer and its fully visible pairs run
+as one long kernel call (layout.block_plan); the next block is in flight while one computes.
 
 Forward merges every partial into ONE float32 accumulator (LSE merge). Backward re-fetches the
 K/V, calls each pair's kernel backward with the final merged out/LSE (exact, kernels.md), keeps
 dQ locally in float32 and returns each float32 dK/dV partial to the rank that owns the keys,
 which sums them in step order (deterministic). Gradients are cast to the input dtype once.
+
+Message order: every rank posts kv(block 0), then per block i: kv(i+1), dkv(i). Blocks are the
+same everywhere, so for any pair of ranks the sends of one match the receives of the other in
+the same order, as NCCL and gloo require, even though pairs with nothing to exchange post nothing.
 """
 from __future__ import annotations
 
@@ -18,50 +27,72 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Exchange
-from ..layout import needs, plan_step
-from ..merge import merge_into, new_accumulator
-from .packing import pack, unpack
 from ..kernels.base import grad_dtype
+from ..layout import block_keys, block_plan, key_range, plan_step, ring_blocks
+from ..merge import merge_into, new_accumulator
 
 
-def _step_peers(need, cp: int, rank: int, s: int):
-    """(src, dst, recv, send) for step s: recv K/V from src if our queries see its keys, send
-    ours to dst if its queries see our keys."""
-    src, dst = (rank - s) % cp, (rank + s) % cp
-    return src, dst, need[rank][src], s > 0 and need[dst][rank]
+class _Block:
+    """One block's K/V in flight: its buffers, slots and kernel calls."""
+
+    def __init__(self, group, op, k, v, cp, rank, chunk, window, steps):
+        self.slots, self.calls = block_plan(cp, rank, chunk, window, steps)
+        n = sum(s.k1 - s.k0 for s in self.slots)
+        b = k.shape[0]
+        self.k = k.new_empty((b, n) + tuple(k.shape[2:]))
+        self.v = v.new_empty((b, n) + tuple(v.shape[2:]))
+        self.exchange = Exchange(group, op)
+        for s in steps:
+            dst = (rank + s) % cp
+            kr = key_range(cp, dst, rank, chunk, window)
+            if kr is not None:
+                self.exchange.send(k[:, kr[0]:kr[1]], dst).send(v[:, kr[0]:kr[1]], dst)
+        for slot in self.slots:
+            end = slot.off + slot.k1 - slot.k0
+            self.exchange.recv(self.k[:, slot.off:end], slot.src)
+            self.exchange.recv(self.v[:, slot.off:end], slot.src)
+        self.exchange.start()
+
+    def wait(self) -> "_Block":
+        self.exchange.wait()
+        return self
 
 
-# Every rank posts its messages in one global order (kv(1), then per step s: kv(s+1), dkv(s)),
-# so for any pair of ranks the sends of one match the receives of the other in the same order,
-# as NCCL and gloo require, even though pairs with nothing to exchange post nothing.
+def forward_calls(q, ks, vs, calls, kernel, scale, softcap, acc_out, acc_lse) -> None:
+    """Run `calls` (rows of q x keys of ks/vs) and merge each partial into the accumulator."""
+    for c in calls:
+        out, lse = kernel.forward(q[:, c.q0:c.q1], ks[:, c.k0:c.k1], vs[:, c.k0:c.k1],
+                                  scale=scale, softcap=softcap, window=c.window)
+        merge_into(acc_out[:, c.q0:c.q1], acc_lse[:, :, c.q0:c.q1], out, lse)
+
+
+def backward_calls(dout, q, ks, vs, out, lse, dlse, calls, kernel, scale, softcap, dq, dk, dv):
+    """Backward of `calls` given the final (out, lse); adds into dq (rows) and dk/dv (keys)."""
+    for c in calls:
+        rows = slice(c.q0, c.q1)
+        gq, gk, gv = kernel.backward(
+            dout[:, rows], q[:, rows], ks[:, c.k0:c.k1], vs[:, c.k0:c.k1], out[:, rows],
+            lse[:, :, rows], scale=scale, softcap=softcap, window=c.window,
+            dlse=None if dlse is None else dlse[:, :, rows])
+        dq[:, rows] += gq
+        dk[:, c.k0:c.k1] += gk
+        dv[:, c.k0:c.k1] += gv
 
 
 def ring_forward(q, k, v, group, kernel, scale, softcap, window):
     """-> (out float32 [B, S, Hq, Dv], lse float32 [B, Hq, S]) for this rank's zigzag queries."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     chunk = q.shape[1] // 2
-    need = needs(cp, chunk, window)
-    own = pack(k, v)
+    blocks = ring_blocks(cp, q.shape[1], block_keys())
     acc_out, acc_lse = new_accumulator(q.shape, v.shape[-1], q.dtype, q.device)
-
-    def post(s):
-        src, dst, recv, send = _step_peers(need, cp, rank, s)
-        return Exchange(group, "ring.fwd.kv").start(own if send else None, dst,
-                                                    own if recv else None, src)
-
-    pending = post(1) if cp > 1 else None
-    for s in range(cp):
-        src, _, recv, _ = _step_peers(need, cp, rank, s)
-        kv = own if s == 0 else pending.wait()
-        if 0 < s < cp - 1:
-            pending = post(s + 1)
-        if not recv:
-            continue
-        ks, vs = unpack(kv, k.shape, v.shape)
-        for c in plan_step(cp, rank, src, chunk, window):
-            out, lse = kernel.forward(q[:, c.q0:c.q1], ks[:, c.k0:c.k1], vs[:, c.k0:c.k1],
-                                      scale=scale, softcap=softcap, window=c.window)
-            merge_into(acc_out[:, c.q0:c.q1], acc_lse[:, :, c.q0:c.q1], out, lse)
+    post = lambda i: _Block(group, "ring.fwd.kv", k, v, cp, rank, chunk, window, blocks[i])  # noqa: E731
+    pending = post(0) if blocks else None
+    forward_calls(q, k, v, plan_step(cp, rank, rank, chunk, window), kernel, scale, softcap,
+                  acc_out, acc_lse)
+    for i in range(len(blocks)):
+        blk = pending.wait()
+        pending = post(i + 1) if i + 1 < len(blocks) else None
+        forward_calls(q, blk.k, blk.v, blk.calls, kernel, scale, softcap, acc_out, acc_lse)
     return acc_out, acc_lse
 
 
@@ -69,54 +100,60 @@ def ring_backward(dout, q, k, v, out, lse, group, kernel, scale, softcap, window
     """-> float32 (dq, dk, dv) of this rank's shards. out/lse: the final merged values."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     chunk = q.shape[1] // 2
-    need = needs(cp, chunk, window)
-    own = pack(k, v)
+    blocks = ring_blocks(cp, q.shape[1], block_keys())
     gdt = grad_dtype(q.dtype)
+    # Once per backward, not per chunk pair: e.g. fa4 casts the float32 O and corrects D here.
+    dout, out, dlse = kernel.prepare_backward(dout, out, None, q.dtype)
     dq = torch.zeros(q.shape, dtype=gdt, device=q.device)
-    d_own = torch.zeros(own.shape, dtype=gdt, device=q.device)
-
-    def post_kv(s):
-        src, dst, recv, send = _step_peers(need, cp, rank, s)
-        return Exchange(group, "ring.bwd.kv").start(own if send else None, dst,
-                                                    own if recv else None, src)
-
-    def pair_grads(kv, src):
-        ks, vs = unpack(kv, k.shape, v.shape)
-        d_kv = torch.zeros(own.shape, dtype=gdt, device=q.device)
-        dk, dv = unpack(d_kv, k.shape, v.shape)
-        for c in plan_step(cp, rank, src, chunk, window):
-            gq, gk, gv = kernel.backward(
-                dout[:, c.q0:c.q1], q[:, c.q0:c.q1], ks[:, c.k0:c.k1], vs[:, c.k0:c.k1],
-                out[:, c.q0:c.q1], lse[:, :, c.q0:c.q1], scale=scale, softcap=softcap,
-                window=c.window)
-            dq[:, c.q0:c.q1] += gq
-            dk[:, c.k0:c.k1] += gk
-            dv[:, c.k0:c.k1] += gv
-        return d_kv
-
-    pending_kv = post_kv(1) if cp > 1 else None
-    pending_grad = None
-    for s in range(cp):
-        src, dst, recv, send = _step_peers(need, cp, rank, s)
-        kv = own if s == 0 else pending_kv.wait()
-        if 0 < s < cp - 1:
-            pending_kv = post_kv(s + 1)
-        d_src = pair_grads(kv, src) if recv else None
-        if s == 0:
-            d_own += d_src
-            continue
-        posted = Exchange(group, "ring.bwd.dkv").start(d_src, src, d_own if send else None, dst)
-        if pending_grad is not None:
-            received = pending_grad.wait()
-            if received is not None:
-                d_own += received
-        pending_grad = posted
-    if pending_grad is not None:
-        received = pending_grad.wait()
-        if received is not None:
-            d_own += received
-    dk, dv = unpack(d_own, k.shape, v.shape)
+    dk = torch.zeros(k.shape, dtype=gdt, device=q.device)
+    dv = torch.zeros(v.shape, dtype=gdt, device=q.device)
+    args = (kernel, scale, softcap)
+    post = lambda i: _Block(group, "ring.bwd.kv", k, v, cp, rank, chunk, window, blocks[i])  # noqa: E731
+    pending = post(0) if blocks else None
+    backward_calls(dout, q, k, v, out, lse, dlse, plan_step(cp, rank, rank, chunk, window),
+                   *args, dq, dk, dv)
+    returning = None
+    for i in range(len(blocks)):
+        blk = pending.wait()
+        pending = post(i + 1) if i + 1 < len(blocks) else None
+        gk = torch.zeros(blk.k.shape, dtype=gdt, device=q.device)
+        gv = torch.zeros(blk.v.shape, dtype=gdt, device=q.device)
+        backward_calls(dout, q, blk.k, blk.v, out, lse, dlse, blk.calls, *args, dq, gk, gv)
+        posted = _GradReturn(group, gk, gv, blk.slots, k, v, cp, rank, chunk, window, blocks[i])
+        if returning is not None:
+            returning.add_into(dk, dv)
+        returning = posted
+    if returning is not None:
+        returning.add_into(dk, dv)
     return dq, dk, dv
+
+
+class _GradReturn:
+    """One block's float32 dK/dV partials going back to the key owners, and ours coming back."""
+
+    def __init__(self, group, gk, gv, slots, k, v, cp, rank, chunk, window, steps):
+        self.exchange = Exchange(group, "ring.bwd.dkv")
+        for slot in slots:
+            end = slot.off + slot.k1 - slot.k0
+            self.exchange.send(gk[:, slot.off:end], slot.src).send(gv[:, slot.off:end], slot.src)
+        self.received = []
+        b = k.shape[0]
+        for s in steps:
+            dst = (rank + s) % cp
+            kr = key_range(cp, dst, rank, chunk, window)
+            if kr is not None:
+                n = kr[1] - kr[0]
+                rk = gk.new_empty((b, n) + tuple(k.shape[2:]))
+                rv = gv.new_empty((b, n) + tuple(v.shape[2:]))
+                self.exchange.recv(rk, dst).recv(rv, dst)
+                self.received.append((kr, rk, rv))
+        self.exchange.start()
+
+    def add_into(self, dk, dv) -> None:
+        self.exchange.wait()
+        for (k0, k1), rk, rv in self.received:      # step order: deterministic sums
+            dk[:, k0:k1] += rk
+            dv[:, k0:k1] += rv
 
 
 class RingAttention(torch.autograd.Function):

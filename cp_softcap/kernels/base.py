@@ -72,6 +72,13 @@ class Kernel:
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def prepare_backward(self, dout: torch.Tensor, out: torch.Tensor,
+                         dlse: Optional[torch.Tensor], dtype: torch.dtype):
+        """Once per backward, for callers that run many chunk-pair backwards on the same rows
+        (the ring): (dout, out, dlse) in the form backward() takes without per-call conversion.
+        Row slices of the results stay valid for row slices of the inputs. Default: unchanged."""
+        return dout, out, dlse
+
 
 def grad_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float64 stays float64, everything else float32."""
