@@ -1,17 +1,20 @@
 """Launch torchrun (python -m torch.distributed.run) as a subprocess for the gemma2 tests: a free
-port from the OS, one thread per rank, a hard timeout, the whole process group killed on
-failure, and the failing rank's output in the assertion message."""
+port from the OS, one thread per rank, a hard timeout, torchrun and every worker killed at the
+end (tests_dist/proctree.py: its own session, each worker's session, orphans found by a tag in
+their environment), and the failing rank's output in the assertion message."""
 from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import List, Optional, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import proctree  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "examples", "gemma2", "train.py")
@@ -42,48 +45,6 @@ def _failing_rank_output(out: str) -> str:
     return "\n".join(parts)
 
 
-def _descendants(pid: int) -> List[int]:
-    """Every process below `pid` (torchrun starts each worker in a session of its own, so killing
-    torchrun's process group alone would orphan them)."""
-    children: dict = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, stack = [], [pid]
-    while stack:
-        for c in children.get(stack.pop(), []):
-            out.append(c)
-            stack.append(c)
-    return out
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    """SIGTERM torchrun (it stops its workers), then SIGKILL it and every worker it started."""
-    if proc.poll() is not None:
-        return
-    below = _descendants(proc.pid)
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=5)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    for pid in [proc.pid, *below]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=10)
-
-
 def torchrun_args(nproc: int, *, nnodes: int = 1, endpoint: Optional[str] = None,
                   rdzv_id: str = "gemma2-test") -> List[str]:
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--tee", "3"]
@@ -94,10 +55,9 @@ def torchrun_args(nproc: int, *, nnodes: int = 1, endpoint: Optional[str] = None
 
 
 def start(cmd: Sequence[str], cwd: str = ROOT) -> subprocess.Popen:
-    """Start `cmd` in its own session (so its process group can be killed); output to a temp file."""
+    """Start `cmd` in its own session, marked for proctree.kill_tree; output to a temp file."""
     log = tempfile.TemporaryFile(mode="w+")
-    p = subprocess.Popen(list(cmd), cwd=cwd, env=_env(), stdout=log, stderr=subprocess.STDOUT,
-                         text=True, start_new_session=True)
+    p = proctree.start(cmd, cwd=cwd, env=_env(), stdout=log, text=True)
     p.log = log
     return p
 
@@ -124,7 +84,7 @@ def finish(procs: Sequence[subprocess.Popen], timeout: float, what: str) -> List
     finally:       # also when pytest-timeout or Ctrl-C interrupts the wait
         timed_out = failed is None and not all(p.poll() == 0 for p in procs)
         for p in procs:
-            _kill(p)
+            proctree.kill_tree(p)
     outs = [_read(p) for p in procs]
     for p in procs:
         p.log.close()

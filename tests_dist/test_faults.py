@@ -11,20 +11,23 @@ dp 2 x cp 2, deterministic algorithms on, via tests_dist/fault_train.py):
 Both must end with losses, grad norms, weights and optimizer state bitwise equal to an
 uninterrupted run's. The three torchruns (baseline and both faults) run concurrently to keep CI
 short. Every torchrun runs in its own session with a hard deadline; at the end, whatever
-happened, its process group and every descendant (torchrun starts each worker in a session of
-its own, which killpg of torchrun's group does not reach) are SIGKILLed.
+happened, tests_dist/proctree.kill_tree SIGKILLs its process group, every worker's own group
+(torchrun starts each worker in a session of its own, which killpg of torchrun's group does not
+reach) and any orphan still carrying the launch's environment tag.
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from proctree import descendants, kill_tree, start  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests_dist", "fault_train.py")
@@ -33,28 +36,8 @@ ARGS = ["--seq-len", "32", "--batch-size", "2", "--no-progress", "--cp", "2", "-
 DEADLINE_S = 230.0
 
 
-def descendants(pid: int):
-    """Pids of every live descendant of `pid` (from /proc)."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 class Run:
-    """One torchrun in its own session (so killpg reaches every worker it starts)."""
+    """One torchrun in its own session, marked for proctree.kill_tree."""
 
     def __init__(self, tmp, name: str, fault: str = ""):
         self.name, self.fault = name, fault
@@ -69,8 +52,7 @@ class Run:
                "--max-restarts", "1", "--monitor-interval", "0.2", SCRIPT, *ARGS,
                "--ckpt-dir", self.ckpt, "--metrics", self.metrics]
         self.log = open(os.path.join(self.dir, "log.txt"), "w+")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = start(cmd, cwd=ROOT, env=env, stdout=self.log)
         self.killed = None           # (pid, what, folder listing at the kill)
 
     def output(self) -> str:
@@ -94,20 +76,7 @@ class Run:
         self.killed = (pid, what, listing, time.monotonic())
 
     def stop(self) -> None:
-        workers = descendants(self.proc.pid) if self.proc.poll() is None else []
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        for pid in workers:          # each in its own session: killpg above missed them
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+        kill_tree(self.proc, grace=0)      # SIGKILL at once, as before: nothing here needs a clean exit
         self.log.close()
 
 
