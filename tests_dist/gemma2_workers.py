@@ -45,9 +45,11 @@ def worst_over_ranks(errs: dict) -> dict:
 
 def recipe(out_path: str, comms: str = "ring") -> None:
     """examples/gemma2 training step with (dp, cp) = (4,1), (2,2), (1,4), (2,2) under FSDP2 and
-    cp=2 alone on subgroups, vs the full model on one process: loss and every gradient. Extra comm types in
-    `comms` (comma-separated) run the (2,2) and (1,4) cases again; a2a only where kv heads
-    divide by cp."""
+    cp=2 alone on subgroups, vs the full model on one process: loss and every gradient. Each
+    other comm type in `comms` (comma-separated; "a2a+p2p:A" = all-to-all groups of A ranks)
+    runs the (2,2) and (1,4) cases again, with the group parallel.attention_group builds (as
+    train.py does). The tiny config's 4 query heads divide cp = 2 and 4, so a2a runs at both; a2a+p2p:2 is
+    a ring of 2 a2a pairs at cp 4 (make_hybrid_groups) and a ring of one at dp2 x cp2 (mesh)."""
     from gemma2 import parallel
     from gemma2.config import get_config
     from gemma2.model import Gemma2, assign, loss_sum
@@ -65,17 +67,18 @@ def recipe(out_path: str, comms: str = "ring") -> None:
     ref_loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
 
-    def check(d, rows, name, comm="ring", fsdp=False):
+    def check(d, rows, name, comm="ring", fsdp=False, a2a_size=None):
+        group = parallel.attention_group(d, comm, cfg.num_attention_heads, a2a_size)
         if fsdp:       # FSDP2-sharded, built on meta like train.py --fsdp
             with torch.device("meta"):
-                model = Gemma2(cfg, d.cp_group, comm=comm)
+                model = Gemma2(cfg, group, comm=comm)
             parallel.shard_model(model, d)
             model.to_empty(device="cpu")
             with torch.no_grad():
                 for n, p in model.named_parameters():
                     assign(p, ref.state_dict()[n])
         else:
-            model = Gemma2(cfg, d.cp_group, comm=comm)
+            model = Gemma2(cfg, group, comm=comm)
             model.load_state_dict(ref.state_dict())
         loss = parallel.loss_and_grads(model, tokens[rows].clone(), d, pad_id=0)
         grads = {n: (p.grad.full_tensor() if fsdp else p.grad) for n, p in model.named_parameters()}
@@ -86,16 +89,16 @@ def recipe(out_path: str, comms: str = "ring") -> None:
                 f"{name} grads": max(rel(grads[n], ref_grads[n]) for n in grads)}
 
     errs = {}
-    cases = [(4, 1, "ring"), (2, 2, "ring"), (1, 4, "ring")]
-    for comm in comms.split(","):
+    cases = [(4, 1, "ring", None), (2, 2, "ring", None), (1, 4, "ring", None)]
+    for item in comms.split(","):
+        comm, _, size = item.partition(":")
         if comm != "ring":
-            cases += [(dp, cp, comm) for dp, cp in ((2, 2), (1, 4)) if comm != "a2a" or
-                      cfg.num_key_value_heads % cp == 0]
-    for dp, cp, comm in cases:
+            cases += [(dp, cp, comm, int(size) if size else None) for dp, cp in ((2, 2), (1, 4))]
+    for dp, cp, comm, a2a_size in cases:
         d = parallel.make_dist(cp, torch.device("cpu"))
         per = 4 // dp
         tag = f"dp{dp}xcp{cp}" + ("" if comm == "ring" else f" {comm}")
-        errs.update(check(d, slice(d.dp_rank * per, (d.dp_rank + 1) * per), tag, comm))
+        errs.update(check(d, slice(d.dp_rank * per, (d.dp_rank + 1) * per), tag, comm, a2a_size=a2a_size))
     d = parallel.make_dist(2, torch.device("cpu"))
     errs.update(check(d, slice(d.dp_rank * 2, d.dp_rank * 2 + 2), "dp2xcp2 fsdp", fsdp=True))
     # cp = 2 alone: ranks {0,1} and {2,3} each run the whole batch as an independent cp=2 job
@@ -119,8 +122,9 @@ def recipe(out_path: str, comms: str = "ring") -> None:
 
 
 def hf(out_path: str) -> None:
-    """HF Gemma2ForCausalLM with attn_implementation="cp_softcap" under CP 2 and 4 vs eager on
-    one process: sharded logits, loss (HF's own loss with shift_labels) and gradients."""
+    """HF Gemma2ForCausalLM with attn_implementation="cp_softcap" under CP 2 and 4 (ring), and
+    CP 4 with use_cp_group(..., comm="a2a") and comm="a2a+p2p" (make_hybrid_groups, groups of 2),
+    vs eager on one process: sharded logits, loss (HF's own loss with shift_labels) and gradients."""
     import transformers
     from cp_softcap.integrations.hf import use_cp_group
 
@@ -141,13 +145,18 @@ def hf(out_path: str) -> None:
     n_valid = torch.tensor(lab.numel())
     groups2 = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     errs = {}
-    for cp, group in ((2, groups2[rank // 2]), (4, dist.group.WORLD)):
+    world = dist.group.WORLD
+    cases = ((2, groups2[rank // 2], "ring"), (4, world, "ring"), (4, world, "a2a"),
+             (4, cps.make_hybrid_groups(world, 2), "a2a+p2p"))
+    for cp, attn_group, comm in cases:
+        group = world if comm == "a2a+p2p" else attn_group    # zigzag rank = rank in the world
         r = dist.get_rank(group)
         model = transformers.Gemma2ForCausalLM._from_config(copy.deepcopy(hcfg), attn_implementation="cp_softcap")
         model.load_state_dict(eager.state_dict())
-        # cp=2 through use_cp_group, cp=4 through the forward kwarg cp_group=
-        use_cp_group(group if cp == 2 else None)
-        kw = {} if cp == 2 else {"cp_group": group}
+        # cp=4 ring through the forward kwarg cp_group=, the others through use_cp_group
+        kwarg = cp == 4 and comm == "ring"
+        use_cp_group(None if kwarg else attn_group, comm=comm)
+        kw = {"cp_group": attn_group} if kwarg else {}
         loc_lab = cps.sharding.shard(lab, cp, r).contiguous()
         out = model(input_ids=cps.sharding.shard(inp, cp, r), position_ids=cps.sharding.positions(seq, cp, r)[None],
                     labels=loc_lab, shift_labels=loc_lab, num_items_in_batch=n_valid, **kw)
@@ -159,9 +168,10 @@ def hf(out_path: str) -> None:
         for n, p in model.named_parameters():
             dist.all_reduce(p.grad, group=group)
             grads[n] = p.grad
-        errs[f"cp{cp} logits"] = rel(logits, ref.logits)
-        errs[f"cp{cp} loss"] = abs(loss.item() - ref.loss.item()) / abs(ref.loss.item())
-        errs[f"cp{cp} grads"] = max(rel(grads[n], ref_grads[n]) for n in grads)
+        tag = f"cp{cp}" + ("" if comm == "ring" else f" {comm}")
+        errs[f"{tag} logits"] = rel(logits, ref.logits)
+        errs[f"{tag} loss"] = abs(loss.item() - ref.loss.item()) / abs(ref.loss.item())
+        errs[f"{tag} grads"] = max(rel(grads[n], ref_grads[n]) for n in grads)
     use_cp_group(None)
     errs = worst_over_ranks(errs)
     if rank == 0:

@@ -1,7 +1,10 @@
 """Gemma2 under context parallelism equals the full model on one process (torchrun, world 4,
-gloo): examples/gemma2's training step with cp = 1, 2, 4 and dp x cp = 2 x 2, and HF
-Gemma2ForCausalLM with attn_implementation="cp_softcap" under CP 2 and 4. float32, a sequence
-longer than the sliding window, relative errors within 1e-5."""
+gloo): examples/gemma2's training step with cp = 1, 2, 4 and dp x cp = 2 x 2, for every comm type
+(ring, all_gather, a2a, a2a+p2p with a2a groups of 2, auto; all in one torchrun), and HF
+Gemma2ForCausalLM with attn_implementation="cp_softcap" under CP 2 and 4 (ring; a2a and a2a+p2p
+at CP 4). a2a needs the query heads divisible by the a2a group: both configs have 4 heads, which
+cp 2 and 4 divide. float32, a sequence longer than the sliding window, relative errors within
+1e-5. Also (no torchrun) the train.py --comm / --a2a-size checks."""
 import json
 import os
 import sys
@@ -14,8 +17,9 @@ import gemma2_launch as L  # noqa: E402
 TOL = 1e-5
 
 
-# CP algorithms the training step is checked with (the (2,2) and (1,4) cases run once per extra one)
-COMMS = "ring"
+# CP algorithms the training step is checked with: ring at (dp, cp) = (4,1), (2,2), (1,4), each
+# other one at (2,2) and (1,4); "a2a+p2p:2" = all-to-all groups of 2 ranks, a ring across them
+COMMS = "ring,all_gather,a2a,a2a+p2p:2,auto"
 
 
 def _run(kind, tmp_path, timeout, *extra):
@@ -31,6 +35,9 @@ def test_training_step_cp_equals_single_process(tmp_path):
     errs = _run("recipe", tmp_path, 200, COMMS)
     control = errs.pop("control: no window, loss")
     assert set(errs) >= {"dp4xcp1 loss", "dp2xcp2 grads", "dp1xcp4 grads", "cp2 grads"}
+    for comm in (c.split(":")[0] for c in COMMS.split(",") if c != "ring"):
+        assert set(errs) >= {f"dp{dp}xcp{cp} {comm} {w}" for dp, cp in ((2, 2), (1, 4))
+                             for w in ("loss", "grads")}, comm
     bad = {k: v for k, v in errs.items() if not v <= TOL}
     assert not bad, f"relative errors above {TOL}: {bad}"
     assert control > 100 * TOL, f"dropping the sliding window changed the loss by only {control:.2e}"
@@ -42,6 +49,46 @@ def test_hf_gemma2_cp_equals_eager():
     import tempfile, pathlib
     with tempfile.TemporaryDirectory() as tmp:
         errs = _run("hf", pathlib.Path(tmp), timeout=200)
-    assert set(errs) == {f"cp{c} {w}" for c in (2, 4) for w in ("logits", "loss", "grads")}
+    tags = ["cp2", "cp4", "cp4 a2a", "cp4 a2a+p2p"]
+    assert set(errs) == {f"{t} {w}" for t in tags for w in ("logits", "loss", "grads")}
     bad = {k: v for k, v in errs.items() if not v <= TOL}
     assert not bad, f"relative errors above {TOL}: {bad}"
+
+
+def test_comm_flag_checks():
+    """train.py's --comm / --a2a-size verdicts (parallel.check_comm), before any process group."""
+    sys.path.insert(0, os.path.join(os.path.dirname(L.TRAIN), os.pardir))
+    from gemma2 import parallel
+    from gemma2.train import parse_args
+
+    for comm in ("ring", "all_gather", "a2a", "auto"):
+        parallel.check_comm(comm, 4, 4)
+        assert parse_args(["--comm", comm]).comm == comm
+    parallel.check_comm("a2a+p2p", 8, 4, 2)
+    parallel.check_comm("a2a+p2p", 4, 4, 4)
+    assert parse_args(["--comm", "a2a+p2p", "--a2a-size", "2"]).a2a_size == 2
+    for args, match in [(("a2a", 8, 4), r"splits the 4 query heads over cp=8 .* --a2a-size 4"),
+                        (("a2a+p2p", 8, 4), r"needs --a2a-size N.* \(1, 2, 4\)"),
+                        (("a2a+p2p", 8, 4, 3), r"--a2a-size 3 must divide both cp=8 and the 4"),
+                        (("a2a+p2p", 8, 4, 8), r"--a2a-size 8 must divide .* use one of 1, 2, 4"),
+                        (("a2a+p2p", 6, 4, 4), r"--a2a-size 4 must divide both cp=6"),
+                        (("ring", 4, 4, 2), r"only for --comm a2a\+p2p"),
+                        (("nccl", 4, 4), r"choose one of ring, all_gather")]:
+        with pytest.raises(ValueError, match=match):
+            parallel.check_comm(*args)
+    with pytest.raises(SystemExit):
+        parse_args(["--comm", "ulysses"])
+
+
+def test_hf_use_cp_group_comm_checks():
+    """use_cp_group refuses a group that does not fit comm (before any collective)."""
+    pytest.importorskip("transformers", reason="needs transformers (pip install -e '.[gemma2]')")
+    from cp_softcap.integrations.hf import use_cp_group
+    with pytest.raises(ValueError, match="only meaningful with comm='a2a\\+p2p'"):
+        use_cp_group((object(), object()), comm="ring")
+    with pytest.raises(ValueError, match="make_hybrid_groups"):
+        use_cp_group(object(), comm="a2a+p2p")
+    with pytest.raises(ValueError, match="comm must be one of"):
+        use_cp_group(None, comm="ulysses")
+    use_cp_group(None, comm="a2a+p2p")      # one device: accepted, comm unused
+    use_cp_group(None)

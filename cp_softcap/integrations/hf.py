@@ -9,6 +9,7 @@ on one device, or context-parallel when a CP process group is set:
     from cp_softcap.integrations.hf import use_cp_group
     model = Gemma2ForCausalLM.from_pretrained(path, attn_implementation="cp_softcap")
     use_cp_group(cp_group)                                   # or pass cp_group=... to forward
+    # comm="all_gather" | "a2a" | "auto" | "a2a+p2p" (group: cps.make_hybrid_groups(cp_group, a))
     ids = cps.sharding.shard(input_ids, cp, rank)            # [B, S/cp] zigzag shard
     pos = cps.sharding.positions(S, cp, rank)[None]          # global position ids (required)
     lab = cps.sharding.shard(labels_shifted_on_full_sequence, cp, rank)
@@ -45,12 +46,32 @@ _CHECKED_POSITIONS: dict = {}
 
 def use_cp_group(group, *, comm: str = "ring", backend: str = "auto") -> None:
     """Set the CP process group (None = one device), CP algorithm and kernel used by every
-    `attn_implementation="cp_softcap"` call that does not pass `cp_group=` itself."""
+    `attn_implementation="cp_softcap"` call (a call's `cp_group=` replaces only the group).
+
+    comm: "ring" | "all_gather" | "a2a" | "a2a+p2p" | "auto", as for cp_softcap.CPAttention.
+    For "a2a+p2p" the group is the pair (a2a_group, ring_group) from
+    cp_softcap.make_hybrid_groups(cp_group, a2a_size), or a 2-D DeviceMesh (ring, a2a)."""
     from ..spec import COMM_TYPES
     if comm not in COMM_TYPES:
         raise ValueError(f"comm must be one of {COMM_TYPES}, got {comm!r}")
+    if group is not None:
+        _cp_size_rank(group, comm)      # a pair without a2a+p2p, or a2a+p2p without one: raise now
     _CONFIG.update(group=group, comm=comm, backend=backend)
     _CHECKED_POSITIONS.clear()
+
+
+def _cp_size_rank(group, comm: str) -> Tuple[int, int]:
+    """(cp size, CP rank) of `group` for `comm`; a2a+p2p: ring rank * a2a size + a2a rank."""
+    if group is None:
+        return 1, 0
+    if comm == "a2a+p2p":
+        from ..cp.dispatch import hybrid_groups
+        inner, outer = hybrid_groups(group)
+        a = dist.get_world_size(inner)
+        return a * dist.get_world_size(outer), dist.get_rank(outer) * a + dist.get_rank(inner)
+    from ..module import _as_group, _group_size
+    group = _as_group(group, comm)
+    return _group_size(group), dist.get_rank(group)
 
 
 def _check_mask(mask) -> None:
@@ -122,8 +143,8 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                          "exact and has no dropout. Set config.attention_dropout = 0.0.")
     _check_mask(attention_mask)
     group = cp_group if cp_group is not None else _CONFIG["group"]
-    cp = dist.get_world_size(group) if group is not None else 1
-    rank = dist.get_rank(group) if group is not None else 0
+    comm = _CONFIG["comm"] if group is not None else "ring"     # one device: comm is moot
+    cp, rank = _cp_size_rank(group, comm)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     sq, sk = q.shape[1], k.shape[1]
     if cp > 1 and sq != sk:
@@ -141,7 +162,7 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
     out = cp_attention(q, k, v, group, softcap=softcap, causal=causal, window=window, scale=scaling,
-                       comm=_CONFIG["comm"], backend=_CONFIG["backend"])
+                       comm=comm, backend=_CONFIG["backend"])
     return out, None
 
 

@@ -115,8 +115,9 @@ class Gemma2Body(nn.Module):
 class Gemma2(nn.Module):
     """Gemma2 causal LM on CPAttention.
 
-    Args: cfg; cp_group: the context-parallel process group (None or size 1 = one device);
-    comm: CP algorithm ("ring", "all_gather", "a2a", "auto"); backend: kernel ("auto" = selector).
+    Args: cfg; cp_group: the context-parallel process group (None or size 1 = one device), for
+    comm "a2a+p2p" the (a2a, ring) pair from parallel.attention_group; comm: CP algorithm ("ring",
+    "all_gather", "a2a", "a2a+p2p", "auto"); backend: kernel ("auto" = selector).
     forward(input_ids [B, S_local], position_ids [B or 1, S_local] global positions, default
     arange) -> logits [B, S_local, vocab], final-softcapped (cap * tanh(logits / cap)).
     """

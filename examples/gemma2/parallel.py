@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from cp_softcap import sharding
+from cp_softcap.spec import COMM_TYPES
 
 
 @dataclass
@@ -101,6 +102,54 @@ def make_dist(cp: Optional[int], dev: torch.device) -> Dist:
                 backend=dist.get_backend(), dp=world // cp, cp=cp, dp_rank=mesh.get_local_rank("dp"),
                 cp_rank=mesh.get_local_rank("cp"), mesh=mesh, dp_group=mesh.get_group("dp"),
                 cp_group=mesh.get_group("cp"))
+
+
+COMMS = COMM_TYPES      # ring, all_gather, a2a, a2a+p2p, auto
+
+
+def check_comm(comm: str, cp: int, num_heads: int, a2a_size: Optional[int] = None) -> None:
+    """Raise ValueError, saying what to use instead, when `comm` cannot run this cp and head
+    count: a2a splits the query heads over all cp ranks (Hq % cp == 0; KV heads are replicated
+    as needed), a2a+p2p over `a2a_size` ranks (a divisor of cp and of Hq) with a ring across."""
+    if comm not in COMMS:
+        raise ValueError(f"--comm {comm!r}: choose one of {', '.join(COMMS)}")
+    ok = [a for a in range(1, cp + 1) if cp % a == 0 and num_heads % a == 0]
+    if comm != "a2a+p2p":
+        if a2a_size is not None:
+            raise ValueError(f"--a2a-size is only for --comm a2a+p2p (got --comm {comm})")
+        if comm == "a2a" and num_heads % cp:
+            raise ValueError(f"--comm a2a splits the {num_heads} query heads over cp={cp} ranks, which "
+                             f"does not divide them; use a --cp that divides {num_heads}, --comm a2a+p2p "
+                             f"--a2a-size {max(ok)}, or --comm ring / all_gather / auto")
+        return
+    if a2a_size is None:
+        raise ValueError(f"--comm a2a+p2p needs --a2a-size N: the all-to-all group size, a divisor of "
+                         f"cp={cp} and of the {num_heads} query heads ({', '.join(map(str, ok))})")
+    if isinstance(a2a_size, bool) or not isinstance(a2a_size, int) or a2a_size < 1 \
+            or cp % a2a_size or num_heads % a2a_size:
+        raise ValueError(f"--a2a-size {a2a_size} must divide both cp={cp} and the {num_heads} query "
+                         f"heads; use one of {', '.join(map(str, ok))}")
+
+
+def attention_group(d: Dist, comm: str, num_heads: int, a2a_size: Optional[int] = None):
+    """The group argument CPAttention gets for `comm` (after check_comm): d.cp_group, or for
+    a2a+p2p the pair (a2a group of `a2a_size` consecutive CP ranks, ring group across them).
+    Collective for a2a+p2p (every rank must call it). With dp = 1 the pair comes from
+    cp_softcap.make_hybrid_groups; with dp > 1 from a (dp, ring, a2a) DeviceMesh, because
+    make_hybrid_groups splits one CP group and each dp replica has its own. Either way CP rank
+    = ring rank * a2a_size + a2a rank, the rank the zigzag shards use."""
+    check_comm(comm, d.cp, num_heads, a2a_size)
+    if comm != "a2a+p2p":
+        return d.cp_group
+    if d.cp == d.world:
+        from cp_softcap import make_hybrid_groups
+        return make_hybrid_groups(d.cp_group, a2a_size)
+    if d.dp * d.cp != d.world:
+        raise ValueError(f"a2a+p2p groups need dp x cp = world ({d.dp} x {d.cp} != {d.world})")
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(d.device.type, (d.dp, d.cp // a2a_size, a2a_size),
+                            mesh_dim_names=("dp", "ring", "a2a"))
+    return mesh.get_group("a2a"), mesh.get_group("ring")
 
 
 def shard_model(model, d: Dist) -> None:

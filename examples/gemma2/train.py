@@ -38,7 +38,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--model-dir", help="local HF Gemma2 checkpoint dir (config.json, *.safetensors, tokenizer)")
     a("--data", help="UTF-8 text file or .pt 1-D token tensor (default: stdlib pydoc_data.topics)")
     a("--cp", type=int, help="context-parallel size (default: all ranks; dp = world / cp)")
-    a("--comm", default="ring", help="CP algorithm: ring | all_gather | a2a | auto")
+    a("--comm", default="ring", choices=parallel.COMMS,
+      help="CP algorithm: ring (zigzag ring), all_gather, a2a (Ulysses: query heads %% cp == 0), "
+      "a2a+p2p (a2a in groups of --a2a-size, ring across them), auto (fewest bytes per rank)")
+    a("--a2a-size", type=int, help="all-to-all group size for --comm a2a+p2p (divides cp and the heads)")
     a("--backend", default="auto", help="attention kernel (auto = cp_softcap's selector)")
     a("--device", default="auto", choices=("auto", "cpu", "cuda"))
     a("--fsdp", action="store_true", help="shard parameters, grads and optimizer state over all ranks "
@@ -87,13 +90,18 @@ def build(args, d: parallel.Dist):
     cfg = from_hf_json(args.model_dir) if args.model_dir else get_config(args.config)
     if not args.model_dir and cfg.vocab_size < ByteTokenizer.vocab_size:
         raise ValueError(f"config {args.config} has vocab {cfg.vocab_size} < 259 byte tokens")
+    try:                 # the same verdict on every rank, before any collective
+        parallel.check_comm(args.comm, d.cp, cfg.num_attention_heads, args.a2a_size)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    group = parallel.attention_group(d, args.comm, cfg.num_attention_heads, args.a2a_size)
     if args.fsdp:        # build on the meta device, shard, then materialise only this rank's shards
         with torch.device("meta"):
-            model = Gemma2(cfg, d.cp_group, comm=args.comm, backend=args.backend)
+            model = Gemma2(cfg, group, comm=args.comm, backend=args.backend)
         parallel.shard_model(model, d)
         model.to_empty(device=d.device)
     else:
-        model = Gemma2(cfg, d.cp_group, comm=args.comm, backend=args.backend)
+        model = Gemma2(cfg, group, comm=args.comm, backend=args.backend)
     model.reset_parameters(args.seed)
     if args.model_dir:
         load_hf_weights(model, args.model_dir)
@@ -112,15 +120,18 @@ def build(args, d: parallel.Dist):
 
 def kernel_choice(cfg, d: parallel.Dist, args, dtype: torch.dtype) -> str:
     """The kernel cp_softcap's selector picks for the sliding and the full layers (raises, naming
-    every kernel's reason, when none can serve them)."""
+    every kernel's reason, when none can serve them), and what --comm auto picks for each."""
     from cp_softcap import make_spec, select
+    from cp_softcap.cp.auto import choose_comm
     picks = []
     for kind, window in (("sliding", (cfg.sliding_window - 1, 0)), ("full", None)):
         spec = make_spec(head_dim=cfg.head_dim, num_heads=cfg.num_attention_heads,
                          num_kv_heads=cfg.num_key_value_heads, dtype=dtype, device_type=d.device.type,
                          softcap=cfg.attn_logit_softcapping, causal=True, window=window, scale=cfg.scale,
                          cp_size=d.cp, comm=args.comm)
-        picks.append(f"{kind} layers -> {select(spec, args.backend).name}")
+        auto = (f" (comm auto: {choose_comm(spec, args.seq_len, args.batch_size)})"
+                if args.comm == "auto" and d.cp > 1 else "")
+        picks.append(f"{kind} layers -> {select(spec, args.backend).name}{auto}")
     return ", ".join(picks)
 
 
@@ -138,7 +149,8 @@ def main(argv=None) -> None:
         print(f"gemma2 {args.model_dir or args.config}: {model.num_params() / 1e6:.2f}M params, "
               f"world {d.world} = dp {d.dp} x cp {d.cp} on {d.device.type}/{d.backend}, "
               f"seq {args.seq_len} ({args.seq_len // d.cp} per rank), batch {args.batch_size} per dp rank, "
-              f"comm {args.comm}" + (", FSDP2" if args.fsdp else "") +
+              f"comm {args.comm}" + (f" (a2a groups of {args.a2a_size})" if args.a2a_size else "") +
+              (", FSDP2" if args.fsdp else "") +
               (f", resumed from step {start}" if start else ""), flush=True)
         dtype = torch.bfloat16 if d.device.type == "cuda" else torch.float32
         print(f"attention kernels: {kernel_choice(cfg, d, args, dtype)} "
