@@ -19,16 +19,21 @@ class _KernelAttention(torch.autograd.Function):
         out, lse = kernel.forward(q, k, v, scale=scale, softcap=softcap, window=window)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kernel, ctx.scale, ctx.softcap, ctx.window = kernel, scale, softcap, window
+        # An unused output's gradient arrives as None (not zeros): an unused LSE costs nothing
+        # and needs no host sync to detect.
+        ctx.set_materialize_grads(False)
         return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        if dlse is not None and not torch.any(dlse != 0):
-            dlse = None
-        dq, dk, dv = ctx.kernel.backward(dout.contiguous(), q, k, v, out, lse, scale=ctx.scale,
-                                         softcap=ctx.softcap, window=ctx.window, dlse=dlse)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        if dout is None:
+            dout = torch.zeros(out.shape, dtype=q.dtype, device=q.device)
+        # backward_native: gradients straight in the inputs' dtypes, no float32 round trip
+        dq, dk, dv = ctx.kernel.backward_native(dout.contiguous(), q, k, v, out, lse,
+                                                scale=ctx.scale, softcap=ctx.softcap,
+                                                window=ctx.window, dlse=dlse)
+        return dq, dk, dv, None, None, None, None
 
 
 def spec_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap, causal, window, scale,

@@ -91,6 +91,23 @@ def test_return_lse_with_lse_gradient(dtype, window):
     assert (plain[0].double() - grads[0].double()).abs().max() > 1e-2 * grads[0].double().abs().max()
 
 
+@pytest.mark.parametrize("used", ["lse only", "out only"])
+def test_one_of_out_and_lse_unused(used):
+    """The unused output's gradient reaches the backward as None (materialize_grads off)."""
+    q, k, v, _ = saturating_qkv(1, 28, 32, 4, 2, 16, torch.float32, 30.0)
+    q, k, v = _leaf(q), _leaf(k), _leaf(v)
+    out, lse = cps.attention(q, k, v, softcap=30.0, causal=True, return_lse=True)
+    dout, dlse = torch.randn(1, 28, 4, 16), torch.randn(1, 4, 28)
+    if used == "lse only":
+        dout = torch.zeros_like(dout)
+        (lse * dlse).sum().backward()
+    else:
+        dlse = None
+        (out * dout).sum().backward()
+    compare(q, k, v, dout, out, lse, (q.grad, k.grad, v.grad), torch.float32, dlse=dlse,
+            softcap=30.0, causal=True)
+
+
 def test_return_lse_forward_only_values():
     q, k, v, _ = saturating_qkv(1, 20, 12, 2, 1, 16, torch.float32, 5.0, requires_grad=False)
     out, lse = cps.attention(q, k, v, softcap=5.0, causal=True, return_lse=True)

@@ -72,12 +72,35 @@ class Kernel:
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def backward_native(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, scale: float,
+                        softcap: Optional[float], window: Window,
+                        dlse: Optional[torch.Tensor] = None
+                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """backward() with each gradient in its input's dtype, for the single-device path (one
+        call, nothing to accumulate). Default: backward() cast down."""
+        dq, dk, dv = self.backward(dout, q, k, v, out, lse, scale=scale, softcap=softcap,
+                                   window=window, dlse=dlse)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
     def prepare_backward(self, dout: torch.Tensor, out: torch.Tensor,
                          dlse: Optional[torch.Tensor], dtype: torch.dtype):
         """Once per backward, for callers that run many chunk-pair backwards on the same rows
         (the ring): (dout, out, dlse) in the form backward() takes without per-call conversion.
         Row slices of the results stay valid for row slices of the inputs. Default: unchanged."""
         return dout, out, dlse
+
+
+class NativeGradKernel(Kernel):
+    """A kernel whose gradients come out in the input dtype (the flash-attn family):
+    backward_native is the implementation and backward() widens it to the contract's float32,
+    so the single-device path skips a float32 round trip over every gradient."""
+
+    def backward(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
+                 window: Window, dlse: Optional[torch.Tensor] = None):
+        grads = self.backward_native(dout, q, k, v, out, lse, scale=scale, softcap=softcap,
+                                     window=window, dlse=dlse)
+        return tuple(g.to(grad_dtype(g.dtype)) for g in grads)
 
 
 def grad_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -27,8 +27,8 @@ import torch
 
 from ..spec import Window
 from ._common import (common_cuda_reason, cuda_arch, empty_result, fa2_lse, fa_window,
-                      missing_params, softcap_value, try_import, zero_grads)
-from .base import Capabilities, Kernel
+                      missing_params, softcap_value, try_import)
+from .base import Capabilities, NativeGradKernel
 
 _MODULE = "flash_attn.flash_attn_interface"
 _COMMON = ("dropout_p", "softmax_scale", "causal", "alibi_slopes")
@@ -57,7 +57,7 @@ def backward_has_softcap(bwd) -> bool:
     return not missing_params(bwd, ("softcap",))
 
 
-class FA2Kernel(Kernel):
+class FA2Kernel(NativeGradKernel):
     name = "fa2"
     caps = Capabilities(
         softcap=True, window=True, gqa=True,
@@ -125,14 +125,14 @@ class FA2Kernel(Kernel):
         out, lse = (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
         return out, fa2_lse(lse)
 
-    def backward(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
-                 window: Window, dlse: Optional[torch.Tensor] = None):
-        """float32 (dq, dk, dv) given the final merged out/lse; dlse is not supported by FA2."""
+    def backward_native(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
+                        window: Window, dlse: Optional[torch.Tensor] = None):
+        """(dq, dk, dv) in the input dtype given the final merged out/lse; FA2 has no dlse."""
         if dlse is not None:
             raise ValueError("fa2 has no LSE gradient; the selector should not pick it when the "
                              "returned LSE is differentiated")
         if q.shape[1] == 0 or k.shape[1] == 0:
-            return zero_grads(q, k, v)
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         if self._interface() is None:
             raise RuntimeError(self._reason)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -155,4 +155,4 @@ class FA2Kernel(Kernel):
             if backward_has_softcap(self._mod._flash_attn_backward):
                 kw["softcap"] = softcap_value(softcap)
             self._mod._flash_attn_backward(dout, q, k, v, out, lse_in, dq, dk, dv, **kw)
-        return dq.float(), dk.float(), dv.float()
+        return dq, dk, dv

@@ -22,8 +22,8 @@ import torch
 
 from ..spec import Window
 from ._common import (common_cuda_reason, cuda_arch, empty_result, fa2_lse, fa_window,
-                      missing_params, softcap_value, try_import, zero_grads)
-from .base import Capabilities, Kernel
+                      missing_params, softcap_value, try_import)
+from .base import Capabilities, NativeGradKernel
 
 _MODULE = "flash_attn_interface"
 INSTALL_HINT = "build flash-attention's hopper/ package (dist flash_attn_3) for sm90"
@@ -54,7 +54,7 @@ def bind_kwargs(fn, given: Dict[str, object], window: Window,
     return kw
 
 
-class FA3Kernel(Kernel):
+class FA3Kernel(NativeGradKernel):
     name = "fa3"
     caps = Capabilities(
         softcap=True, window=True, gqa=True,
@@ -138,14 +138,14 @@ class FA3Kernel(Kernel):
                                         softcap=softcap_value(softcap)), window))
         return res[0], fa2_lse(res[1])
 
-    def backward(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
-                 window: Window, dlse: Optional[torch.Tensor] = None):
-        """float32 (dq, dk, dv) given the final out/lse (no dLSE in FA3)."""
+    def backward_native(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
+                        window: Window, dlse: Optional[torch.Tensor] = None):
+        """(dq, dk, dv) in the input dtype given the final out/lse (no dLSE in FA3)."""
         if dlse is not None:
             raise ValueError("fa3 has no LSE gradient; the selector should not pick it when the "
                              "returned LSE is differentiated")
         if q.shape[1] == 0 or k.shape[1] == 0:
-            return zero_grads(q, k, v)
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         if self._interface() is None:
             raise RuntimeError(self._reason)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -157,4 +157,4 @@ class FA3Kernel(Kernel):
                                   softcap=softcap_value(softcap),
                                   deterministic=torch.are_deterministic_algorithms_enabled()),
                    window))
-        return dq.float(), dk.float(), dv.float()
+        return dq, dk, dv

@@ -29,8 +29,8 @@ import torch
 
 from ..spec import Window
 from ._common import (common_cuda_reason, cuda_arch, empty_result, missing_params, softcap_value,
-                      try_import, zero_grads)
-from .base import Capabilities, Kernel
+                      try_import)
+from .base import Capabilities, NativeGradKernel
 
 _MODULE = "flash_attn.cute.interface"
 _FWD_KW = ("softmax_scale", "causal", "softcap", "window_size_left", "window_size_right",
@@ -70,7 +70,7 @@ def exact_d_dlse(dout: torch.Tensor, out32: torch.Tensor, out_k: torch.Tensor,
     return (-corr if dlse is None else dlse.float() - corr).contiguous()
 
 
-class FA4Kernel(Kernel):
+class FA4Kernel(NativeGradKernel):
     name = "fa4"
     caps = Capabilities(
         softcap=True, window=True, gqa=True,
@@ -140,11 +140,11 @@ class FA4Kernel(Kernel):
             dlse = exact_d_dlse(dout_k, out, out_k, dlse)
         return dout_k, out_k, dlse
 
-    def backward(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
-                 window: Window, dlse: Optional[torch.Tensor] = None):
-        """Gradients (float32) of this chunk pair given the FINAL merged out/lse of its rows."""
+    def backward_native(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
+                        window: Window, dlse: Optional[torch.Tensor] = None):
+        """Gradients (input dtype) of this chunk pair given the FINAL merged out/lse of its rows."""
         if q.shape[1] == 0 or k.shape[1] == 0:
-            return zero_grads(q, k, v)
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         mod = self._interface()
         if mod is None:
             raise RuntimeError(self._import_reason)
@@ -158,4 +158,4 @@ class FA4Kernel(Kernel):
             window_size_left=left, window_size_right=right,
             deterministic=torch.are_deterministic_algorithms_enabled(),
             dlse=None if dlse is None else dlse.float().contiguous())[:3]
-        return dq.float(), dk.float(), dv.float()
+        return dq, dk, dv
