@@ -9,7 +9,8 @@ runs `cps.cp_attention` forward and backward for comm = ring, all_gather, a2a an
 a2a groups of 2 and 4 from `cps.make_hybrid_groups`), each pass under its own
 `cp_softcap.comm.counting()`. Every rank returns its ByteCounter.sent (bytes per op name); the
 table shows the busiest rank (largest fwd+bwd) and the mean over ranks, next to the analytical
-`cp_softcap.cp.auto.bytes_per_rank` (which models the busiest rank).
+`cp_softcap.cp.auto.bytes_per_rank` (the busiest rank's total; a2a+p2p via a2a_size=), and
+checks every op of every rank, fwd and bwd, against `cp_softcap.cp.auto.sent_per_rank`.
 
 STAND-IN KERNEL. Real softcapped attention at these shapes takes hours on 2 CPU cores, and the
 bytes a CP scheme sends do not depend on tensor values or on which kernel computes the chunk
@@ -210,59 +211,20 @@ def _spec(cp, hq=HQ, hkv=HKV, window=None, comm="ring"):
 
 
 def model_total(comm, a2a, s, window):
-    """(bytes, how) from cp_softcap.cp.auto.bytes_per_rank. a2a+p2p has no entry of its own in
-    the model (as of this writing); it is composed from the model's a2a term on the inner group
-    and its ring term on the outer group, with the inner group's per-rank heads."""
+    """(bytes, how): the busiest rank's fwd+bwd total from cp_softcap.cp.auto.bytes_per_rank
+    (a2a+p2p through its a2a_size= entry)."""
     from cp_softcap.cp.auto import bytes_per_rank
-    from cp_softcap.cp.ulysses import kv_head_index
-    if comm != "a2a+p2p":
-        return bytes_per_rank(_spec(CP, window=window, comm=comm), s).get(comm), "bytes_per_rank"
-    own = bytes_per_rank(_spec(CP, window=window, comm=comm), s)
-    for key in (f"a2a+p2p/{a2a}", f"a2a+p2p:{a2a}", "a2a+p2p"):
-        if key in own:
-            return own[key], f"bytes_per_rank[{key!r}]"
-    outer = CP // a2a
-    inner = bytes_per_rank(_spec(a2a, window=window, comm="a2a"), s // CP * a2a)["a2a"]
-    kvh = len(kv_head_index(HQ, HKV, a2a)[0])
-    ring = bytes_per_rank(_spec(outer, hq=HQ // a2a, hkv=kvh, window=window, comm="ring"), s)["ring"]
-    return inner + ring, (f"composed: bytes_per_rank a2a (cp={a2a}, S={s // CP * a2a}) + ring "
-                          f"(cp={outer}, heads {HQ // a2a}/{kvh}, S={s})")
+    costs = bytes_per_rank(_spec(CP, window=window, comm=comm), s, a2a_size=a2a)
+    return costs.get(comm), "bytes_per_rank" + (f"(a2a_size={a2a})['a2a+p2p']" if a2a else f"[{comm!r}]")
 
 
 def model_ops(comm, a2a, s, window):
-    """Per-op split of the model, following the formulas in cp/auto.py's docstring (fwd/bwd,
-    op names as the comm layer counts them). Used only to name which op differs; the split is
-    checked against model_total and flagged 'stale' when it no longer sums to it."""
-    from cp_softcap.layout import needs
-    from cp_softcap.cp.ulysses import kv_head_index
-    e, gb = 2, 4
-
-    def ring(cp, hkv, seq):
-        n = seq // cp
-        kv = n * hkv * 2 * D_REAL
-        src = max(sum(row) - 1 for row in needs(cp, n // 2, _spec(cp, window=window).window))
-        return {"ring.fwd.kv": src * kv * e, "ring.bwd.kv": src * kv * e, "ring.bwd.dkv": src * kv * gb}
-
-    def ulysses(ranks, n):
-        frac = (ranks - 1) / ranks
-        kvh = sum(len(i) for i in kv_head_index(HQ, HKV, ranks))
-        qt, kt = n * HQ * D_REAL, n * kvh * D_REAL
-        return {"a2a.fwd.q": frac * qt * e, "a2a.fwd.k": frac * kt * e, "a2a.fwd.v": frac * kt * e,
-                "a2a.fwd.out": frac * qt * e, "a2a.bwd.dout": frac * qt * e, "a2a.bwd.dq": frac * qt * gb,
-                "a2a.bwd.dk": frac * kt * gb, "a2a.bwd.dv": frac * kt * gb}
-
-    n = s // CP
-    if comm == "ring":
-        return ring(CP, HKV, s)
-    if comm == "all_gather":
-        kv = n * HKV * 2 * D_REAL
-        return {"all_gather.fwd.kv": (CP - 1) * kv * e, "all_gather.bwd.kv": (CP - 1) * kv * e,
-                "all_gather.bwd.dkv": (CP - 1) * kv * gb}
-    if comm == "a2a":
-        return ulysses(CP, n)
-    ops = ulysses(a2a, n)
-    ops.update(ring(CP // a2a, len(kv_head_index(HQ, HKV, a2a)[0]), s))
-    return ops
+    """Every rank's modelled bytes per op (cp_softcap.cp.auto.sent_per_rank), as
+    {"fwd": {op: bytes}, "bwd": {...}} per rank, split by the op names' .fwd./.bwd."""
+    from cp_softcap.cp.auto import sent_per_rank
+    per = sent_per_rank(_spec(CP, window=window, comm=comm), s, comm, a2a_size=a2a)
+    return [{ph: {op: b for op, b in ops.items() if f".{ph}." in op} for ph in ("fwd", "bwd")}
+            for ops in per]
 
 
 # --------------------------------------------------------------------------- main
@@ -331,7 +293,7 @@ def main():
 
     records, trows, mismatches = [], [], []
     trows.append(["S", "window", "comm", "busiest fwd", "bwd", "total", "mean total",
-                  "analytical", "ratio", "ranks (fwd+bwd MiB)"])
+                  "analytical", "ratio", "every op/rank", "ranks (fwd+bwd MiB)"])
     for i, c in enumerate(configs):
         if not ((c["S"] == s_small and c["D"] == D_REAL) or c["S"] == s_big):
             continue
@@ -348,18 +310,28 @@ def main():
         op_mean = {op: mult * sum(x["fwd"].get(op, 0) + x["bwd"].get(op, 0) for x in rr) / CP for op in ops}
         op_busy = {op: mult * (rr[busy]["fwd"].get(op, 0) + rr[busy]["bwd"].get(op, 0)) for op in ops}
         model, how = model_total(c["comm"], c["a2a"], c["S"], c["window"])
-        split = model_ops(c["comm"], c["a2a"], c["S"], c["window"])
-        stale = model is not None and abs(sum(split.values()) - model) > 0.5
+        per_model = model_ops(c["comm"], c["a2a"], c["S"], c["window"])
+        split = {op: b for ph in ("fwd", "bwd") for op, b in per_model[busy][ph].items()}
+        # every op of every rank, each phase: measured (scaled to D=256) vs sent_per_rank
+        op_diffs = []
+        for r, (x, m) in enumerate(zip(rr, per_model)):
+            for ph in ("fwd", "bwd"):
+                for op in sorted(set(x[ph]) | set(m[ph])):
+                    got, want = mult * x[ph].get(op, 0), m[ph].get(op, 0)
+                    if got != want:
+                        op_diffs.append({"rank": r, "phase": ph, "op": op, "measured_MiB": got / MiB,
+                                         "model_MiB": want / MiB})
+        exact = not op_diffs
         ratio = tot[busy] / model if model else float("nan")
         diffs = {}
-        if model is not None and abs(tot[busy] - model) > 0.5:
+        if model is not None and (abs(tot[busy] - model) > 0.5 or not exact):
             for op in sorted(set(ops) | set(split)):
                 b_, m_, e_ = op_busy.get(op, 0), op_max.get(op, 0), split.get(op, 0)
-                if abs(b_ - e_) > 0.5 or abs(m_ - e_) > 0.5:
+                if abs(b_ - e_) > 0.5:
                     diffs[op] = {"busiest_rank_MiB": b_ / MiB, "max_over_ranks_MiB": m_ / MiB,
                                  "mean_MiB": op_mean.get(op, 0) / MiB, "model_MiB": e_ / MiB,
                                  "delta_busiest_MiB": (b_ - e_) / MiB}
-            mismatches.append((c, tot[busy], model, diffs, stale))
+            mismatches.append((c, tot[busy], model, diffs, op_diffs))
         mism_rec = {op: dd for op, dd in diffs.items()}
         calls = [x["kernel_calls"] for x in rr]
         records.append({
@@ -371,8 +343,9 @@ def main():
             "mean_total_MiB": sum(tot) / CP / MiB, "per_rank_total_MiB": [t / MiB for t in tot],
             "analytical_total_MiB": None if model is None else model / MiB, "analytical_source": how,
             "ratio_busiest_over_analytical": ratio,
-            "analytical_ops_MiB_from_docstring_split": {k_: v_ / MiB for k_, v_ in split.items()},
-            "analytical_split_stale": stale,
+            "analytical_ops_busiest_rank_MiB": {k_: v_ / MiB for k_, v_ in split.items()},
+            "model_matches_every_op_of_every_rank": exact,
+            "ops_per_rank_differing_from_model": op_diffs,
             "ops_differing_from_model_MiB": mism_rec,
             "ops_busiest_rank_MiB": {k_: v_ / MiB for k_, v_ in op_busy.items()},
             "ops_max_over_ranks_MiB": {k_: v_ / MiB for k_, v_ in op_max.items()},
@@ -384,6 +357,7 @@ def main():
         trows.append([f"{c['S'] // 1024}K", c["window_name"], c["label"], f"{fwd[busy] / MiB:.1f}",
                       f"{bwd[busy] / MiB:.1f}", f"{tot[busy] / MiB:.1f}", f"{sum(tot) / CP / MiB:.1f}",
                       "-" if model is None else f"{model / MiB:.1f}", f"{ratio:.3f}",
+                      "exact" if exact else f"{len(op_diffs)} differ",
                       " ".join(f"{t / MiB:.0f}" for t in tot)])
     print()
     print("MiB sent per rank per layer (Gemma2-9B: B=1, Hq=16, Hkv=8, D=256, bf16, grads fp32), cp=8")
@@ -391,16 +365,17 @@ def main():
     print(table(trows))
     if mismatches:
         print("\nmeasured (busiest rank) != analytical:")
-        for c, meas, model, diffs, stale in mismatches:
+        for c, meas, model, diffs, op_diffs in mismatches:
             print(f"  {c['S'] // 1024}K {c['window_name']} {c['label']}: measured {meas / MiB:.1f} MiB, "
                   f"model {model / MiB:.1f} MiB ({(meas - model) / MiB:+.1f})"
-                  + ("  [op split of the model is stale: it no longer sums to bytes_per_rank]" if stale else ""))
+                  + f"; {len(op_diffs)} (rank, phase, op) entries differ from sent_per_rank")
             for op, dd in diffs.items():
                 print(f"      {op:<14} busiest rank {dd['busiest_rank_MiB']:8.1f}  max over ranks "
                       f"{dd['max_over_ranks_MiB']:8.1f}  mean {dd['mean_MiB']:8.1f}  model {dd['model_MiB']:8.1f}"
                       f"  (busiest - model {dd['delta_busiest_MiB']:+8.1f} MiB)")
     else:
-        print("\nmeasured (busiest rank) == analytical for every row")
+        print("\nmeasured == analytical for every row: the busiest rank's total, and every op of every "
+              "rank (fwd and bwd) against sent_per_rank")
     meta = {"what": "bytes sent per rank per attention layer (forward, backward), counted by "
                     "cp_softcap.comm.counting() around cps.cp_attention forward and .backward()",
             "host": "CPU only, 8 gloo ranks (one process, one thread each), file rendezvous",
@@ -410,7 +385,8 @@ def main():
             "scaling": (f"S={s_big} measured at D={d_small}, bytes x{f}; exactness verified at S={s_small} "
                         f"(D={D_REAL} vs D={d_small}, every op of every rank)"),
             "busiest": "rank with the largest fwd+bwd total; ops_max_over_ranks is per op",
-            "analytical": "cp_softcap.cp.auto.bytes_per_rank (busiest rank); a2a+p2p composed (see analytical_source)",
+            "analytical": ("cp_softcap.cp.auto.bytes_per_rank (busiest rank's total; a2a+p2p via a2a_size=) "
+                           "and sent_per_rank (every op of every rank, checked exactly)"),
             "quick": a.quick, "wall_s": wall, "code_version": _code_version(),
             "CP_SOFTCAP_RING_BLOCK_KEYS": os.environ.get("CP_SOFTCAP_RING_BLOCK_KEYS", "(unset: default)")}
     path = save("comm_bytes" + ("_quick" if a.quick else ""), records, meta, a.out_dir)

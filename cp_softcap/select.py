@@ -38,6 +38,9 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="auto", help="force a kernel, as backend= does")
     p.add_argument("--seq-len", type=int, default=None,
                    help="global sequence length: with --cp > 1, print comm='auto''s choice and its byte model")
+    p.add_argument("--a2a-size", type=int, default=None,
+                   help="with --seq-len: also model comm='a2a+p2p' with all-to-all groups of this size "
+                        "(shown only; comm='auto' does not pick it)")
     a = p.parse_args(argv)
     try:
         spec = make_spec(head_dim=a.head_dim, num_heads=a.heads, num_kv_heads=a.kv_heads or a.heads,
@@ -53,7 +56,7 @@ def main(argv=None) -> int:
     if a.cp > 1 and a.seq_len:
         from .cp.auto import describe_comm_choice
         try:
-            print(describe_comm_choice(spec, a.seq_len))
+            print(describe_comm_choice(spec, a.seq_len, a2a_size=a.a2a_size))
         except (ValueError, ZeroDivisionError) as e:
             print(f"error: cannot model comm for --seq-len {a.seq_len}: {e}", file=sys.stderr)
             return 2

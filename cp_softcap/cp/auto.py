@@ -2,59 +2,155 @@
 backward, the busiest rank), from the call's shapes. Ties go to ring (its transfers overlap
 compute step by step), then all_gather, then a2a. Every choice can be overridden with comm=.
 
-Model (n = S/cp local tokens, e = element bytes, gradients travel in float32):
-  ring:       per source rank whose keys this rank's queries see (all cp-1 without a window,
-              few with a sliding window): fwd K+V; bwd K+V again and float32 dK+dV back.
-  all_gather: fwd (cp-1) x local K+V; bwd the same re-gather + float32 reduce-scatter of dK+dV.
-  a2a:        (cp-1)/cp of q, k, v, out forward; dout, float32 dq, dk, dv backward, with KV
-              heads replicated when Hkv % cp != 0. Needs Hq % cp == 0.
-These are the same quantities comm.counting() measures (benchmarks/comm_bytes.py).
+comm="auto" gets ONE process group, so it chooses only among the single-group schemes ring,
+all_gather and a2a. a2a+p2p needs a group pair (make_hybrid_groups); bytes_per_rank and
+describe_comm_choice model it when given a2a_size=, but auto never picks it.
+
+Model: the bytes each rank SENDS, per op name exactly as comm.counting() records them (point-to-
+point messages as sent, collectives at their algorithmic volume, (ranks - 1) pieces per rank).
+n = S/cp local tokens (two zigzag chunks of c = n/2), B batch, e = input element bytes,
+g = gradient bytes (float32; float64 for float64 inputs), kv = B * Hkv * (D + Dv) per token.
+  ring (cp/ring.py; send_keys(r) = sum over receivers q != r of |key_range(cp, q, r, c, window)|,
+        recv_keys(r) = sum over sources s != r of |key_range(cp, r, s, c, window)|):
+      ring.fwd.kv   send_keys(r) * kv * e      K/V of the keys each receiver's queries see
+      ring.bwd.kv   send_keys(r) * kv * e      backward re-sends the same K/V (nothing S-sized kept)
+      ring.bwd.dkv  recv_keys(r) * kv * g      float32 dK/dV of the keys it received, back to owner
+      Causal: an earlier rank's second chunk is never visible, so sends to later ranks are c keys,
+      not 2c; every rank's total is the same. Window (L, 0): about L keys per visible source.
+  all_gather (cp/all_gather.py): fwd (cp-1) * n * kv * e (two half-shard gathers); bwd the same
+      re-gather + (cp-1) * n * kv * g (float32 reduce-scatter of dK/dV). Window-independent.
+  a2a (cp/a2a.py, ulysses.py; needs Hq % cp == 0; h = Hq/cp, hk = KV heads per rank with
+      replicas, kv_head_index): (cp-1) * B * c2 with c2 = n tokens per destination:
+      fwd q (h*D*e), k (hk*D*e), v (hk*Dv*e), out (h*Dv*e); bwd dout (h*Dv*e), dq (h*D*g),
+      dk (hk*D*g), dv (hk*Dv*g).
+  a2a+p2p with a2a_size a (cp/a2a.py with an outer group; CP rank = ring_rank * a + a2a_rank):
+      the a2a terms above on the inner group (cp -> a, same n), plus the ring terms of the outer
+      ring: cp/a ranks, chunk a*c, Hq/a query and hk KV heads per rank; busiest rank total.
+bytes_per_rank is the busiest rank's TOTAL (max over ranks of fwd + bwd), not per-op maxima.
+sent_per_rank gives every rank's per-op bytes; benchmarks/comm_bytes.py checks both against
+comm.counting() at Gemma2-9B shapes.
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, List, Optional
 
-from ..layout import needs
-from ..spec import AttnSpec
+from ..layout import key_range
+from ..spec import AttnSpec, Window
 from .ulysses import kv_head_index
 
+SINGLE_GROUP = ("ring", "all_gather", "a2a")      # what comm="auto" chooses among, tie order
 
-def bytes_per_rank(spec: AttnSpec, seq_len: int, batch: int = 1) -> Dict[str, float]:
-    cp = spec.cp_size
-    n = seq_len // cp
+
+def _sizes(spec: AttnSpec):
     e = {2: 2, 4: 4, 8: 8}.get(spec.dtype.itemsize, 2)
-    g = 8 if e == 8 else 4
-    d, dv, hq, hkv = spec.head_dim, spec.head_dim_v, spec.num_heads, spec.num_kv_heads
-    kv_tokens = batch * n * hkv * (d + dv)
-    sources = max(sum(row) - 1 for row in needs(cp, n // 2, spec.window))
-    out = {
-        "ring": sources * kv_tokens * (e + e + g),
-        "all_gather": (cp - 1) * kv_tokens * (e + e + g),
-    }
-    if hq % cp == 0:
-        frac = (cp - 1) / cp
-        kv_heads_sent = sum(len(i) for i in kv_head_index(hq, hkv, cp))  # replicas included
-        kv_eff = batch * n * kv_heads_sent * (d + dv)
-        q_tok = batch * n * hq * d
-        o_tok = batch * n * hq * dv
-        out["a2a"] = frac * ((q_tok + o_tok + kv_eff) * e + (o_tok * e) + (q_tok + kv_eff) * g)
+    return e, (8 if e == 8 else 4)
+
+
+def _local_len(spec: AttnSpec, seq_len: int) -> int:
+    cp = spec.cp_size
+    if seq_len <= 0 or seq_len % (2 * cp) != 0:
+        raise ValueError(f"seq_len {seq_len} is not a positive multiple of 2*cp = {2 * cp} "
+                         "(the zigzag layout needs two equal chunks per rank)")
+    return seq_len // cp
+
+
+def _keys(kr) -> int:
+    return 0 if kr is None else kr[1] - kr[0]
+
+
+def _ring(cp: int, chunk: int, window: Window, kv_e: int, kv_g: int) -> List[Dict[str, int]]:
+    """Per ring rank: bytes sent per op. kv_e / kv_g: bytes of one key's K+V in the input /
+    gradient dtype (all heads, whole batch)."""
+    out = []
+    for r in range(cp):
+        send = sum(_keys(key_range(cp, q, r, chunk, window)) for q in range(cp) if q != r)
+        recv = sum(_keys(key_range(cp, r, s, chunk, window)) for s in range(cp) if s != r)
+        ops = {"ring.fwd.kv": send * kv_e, "ring.bwd.kv": send * kv_e, "ring.bwd.dkv": recv * kv_g}
+        out.append({k: v for k, v in ops.items() if v})
+    return out
+
+
+def _a2a(spec: AttnSpec, ranks: int, n: int, batch: int) -> Dict[str, int]:
+    """Bytes every rank of an all-to-all group of `ranks` sends (n local tokens per rank)."""
+    e, g = _sizes(spec)
+    d, dv = spec.head_dim, spec.head_dim_v
+    h = spec.num_heads // ranks
+    hk = len(kv_head_index(spec.num_heads, spec.num_kv_heads, ranks)[0])   # replicas included
+    piece = (ranks - 1) * batch * n
+    return {"a2a.fwd.q": piece * h * d * e, "a2a.fwd.k": piece * hk * d * e,
+            "a2a.fwd.v": piece * hk * dv * e, "a2a.fwd.out": piece * h * dv * e,
+            "a2a.bwd.dout": piece * h * dv * e, "a2a.bwd.dq": piece * h * d * g,
+            "a2a.bwd.dk": piece * hk * d * g, "a2a.bwd.dv": piece * hk * dv * g}
+
+
+def sent_per_rank(spec: AttnSpec, seq_len: int, comm: str, batch: int = 1,
+                  a2a_size: Optional[int] = None) -> Optional[List[Dict[str, int]]]:
+    """Modelled bytes each CP rank sends in one layer's forward + backward, per op name (the
+    names comm.counting() records). None where the scheme cannot run these heads (a2a needs
+    Hq % group size == 0). comm="a2a+p2p" needs a2a_size (dividing cp)."""
+    cp = spec.cp_size
+    n = _local_len(spec, seq_len)
+    e, g = _sizes(spec)
+    kv = batch * spec.num_kv_heads * (spec.head_dim + spec.head_dim_v)
+    if comm == "ring":
+        return _ring(cp, n // 2, spec.window, kv * e, kv * g)
+    if comm == "all_gather":
+        ops = {"all_gather.fwd.kv": (cp - 1) * n * kv * e, "all_gather.bwd.kv": (cp - 1) * n * kv * e,
+               "all_gather.bwd.dkv": (cp - 1) * n * kv * g}
+        return [{k: v for k, v in ops.items() if v} for _ in range(cp)]
+    if comm == "a2a":
+        if spec.num_heads % cp:
+            return None
+        ops = {k: v for k, v in _a2a(spec, cp, n, batch).items() if v}
+        return [dict(ops) for _ in range(cp)]
+    if comm == "a2a+p2p":
+        if a2a_size is None or a2a_size < 1 or cp % a2a_size:
+            raise ValueError(f"a2a+p2p needs an a2a_size that divides cp={cp}, got {a2a_size}")
+        if spec.num_heads % a2a_size:
+            return None
+        inner = {k: v for k, v in _a2a(spec, a2a_size, n, batch).items() if v}
+        hk = len(kv_head_index(spec.num_heads, spec.num_kv_heads, a2a_size)[0])
+        kv_outer = batch * hk * (spec.head_dim + spec.head_dim_v)
+        outer = _ring(cp // a2a_size, a2a_size * n // 2, spec.window, kv_outer * e, kv_outer * g)
+        return [{**inner, **outer[r // a2a_size]} for r in range(cp)]
+    raise ValueError(f"no byte model for comm={comm!r}; one of {SINGLE_GROUP + ('a2a+p2p',)}")
+
+
+def bytes_per_rank(spec: AttnSpec, seq_len: int, batch: int = 1,
+                   a2a_size: Optional[int] = None) -> Dict[str, int]:
+    """Busiest rank's total bytes sent (fwd + bwd) per scheme: "ring", "all_gather", "a2a" (when
+    Hq % cp == 0) and, with a2a_size given, "a2a+p2p" (when Hq % a2a_size == 0)."""
+    out = {}
+    for comm in SINGLE_GROUP + (("a2a+p2p",) if a2a_size is not None else ()):
+        per = sent_per_rank(spec, seq_len, comm, batch, a2a_size)
+        if per is not None:
+            out[comm] = max(sum(ops.values()) for ops in per)
     return out
 
 
 def choose_comm(spec: AttnSpec, seq_len: int, batch: int = 1) -> str:
+    """The single-group scheme (ring, all_gather, a2a) with the fewest bytes on the busiest rank."""
     costs = bytes_per_rank(spec, seq_len, batch)
-    order = ("ring", "all_gather", "a2a")
-    return min((n for n in order if n in costs), key=lambda n: (costs[n], order.index(n)))
+    return min((n for n in SINGLE_GROUP if n in costs), key=lambda n: (costs[n], SINGLE_GROUP.index(n)))
 
 
-def describe_comm_choice(spec: AttnSpec, seq_len: int, batch: int = 1) -> str:
-    costs = bytes_per_rank(spec, seq_len, batch)
+def describe_comm_choice(spec: AttnSpec, seq_len: int, batch: int = 1,
+                         a2a_size: Optional[int] = None) -> str:
+    costs = bytes_per_rank(spec, seq_len, batch, a2a_size)
     chosen = choose_comm(spec, seq_len, batch)
-    lines = [f"comm='auto' at S={seq_len}, cp={spec.cp_size}: bytes sent per rank per layer (fwd+bwd)"]
-    for name in ("ring", "all_gather", "a2a"):
+    lines = [f"comm='auto' at S={seq_len}, cp={spec.cp_size}: bytes sent per rank per layer "
+             "(fwd+bwd, busiest rank)"]
+    for name in SINGLE_GROUP:
         if name in costs:
             mark = "CHOSEN" if name == chosen else ""
             lines.append(f"  {name:<11} {costs[name] / 2**20:12.1f} MiB {mark}")
         else:
             lines.append(f"  {name:<11} {'-':>12}     ({spec.num_heads} query heads not divisible by cp={spec.cp_size})")
+    if a2a_size is not None:
+        label = f"a2a+p2p/{a2a_size}"
+        note = f"(a2a groups of {a2a_size}, ring of {spec.cp_size // a2a_size}; not an auto candidate: needs a group pair)"
+        if "a2a+p2p" in costs:
+            lines.append(f"  {label:<11} {costs['a2a+p2p'] / 2**20:12.1f} MiB {note}")
+        else:
+            lines.append(f"  {label:<11} {'-':>12}     ({spec.num_heads} query heads not divisible by {a2a_size})")
     return "\n".join(lines)
