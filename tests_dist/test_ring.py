@@ -29,15 +29,48 @@ def cases_for(cp: int):
     return out
 
 
-def _worker(rank, world, comm):
-    return [run_case(case, seed=1000 + i, comm=comm) for i, case in enumerate(cases_for(world))]
+# The cases that exercise different block geometry: causal (half-size messages, coalesced),
+# non-causal (full steps coalesced), windows narrower than a chunk / crossing chunks / two-sided
+# (windowed calls between coalesced ones, skipped steps), and bf16 with a window.
+BLOCK_SUBSET = (2, 4, 5, 6, 7, 11)
 
 
-@pytest.mark.parametrize("world", [1, 2, 4, 8])
-def test_ring_matches_float64_reference(world):
-    results = run_ranks(_worker, world, "ring", timeout=240)
-    worst = max(max(v for k, v in e.items() if k != "saturated") for r in results for e in r)
-    print(f"cp={world}: worst max-relative error over all cases/ranks = {worst:.3g}")
+def _worker(rank, world, comm, subset=None):
+    from cp_softcap.layout import block_keys, ring_blocks
+    blocks = ring_blocks(world, cases_for(world)[0]["s"] // world, block_keys())
+    return blocks, [run_case(case, seed=1000 + i, comm=comm) for i, case in enumerate(cases_for(world))
+                    if subset is None or i in subset]
+
+
+def _block_keys(world: int, steps: int) -> str:
+    """CP_SOFTCAP_RING_BLOCK_KEYS giving blocks of `steps` ring steps on this test's shapes."""
+    return str(steps * cases_for(world)[0]["s"] // world)
+
+
+# (CP_SOFTCAP_RING_BLOCK_KEYS or None for the default, world, expected ring blocks, cases).
+# Default (every case): these shapes are far below 16384 keys, so all steps form one block and
+# fully visible steps run as one call over concatenated keys.
+# "0" and "1" key: one step per block (cp 2 is that under any setting), so block i+1's K/V and
+# block i's dK/dV are in flight while block i computes. 2 steps: multi-step blocks AND several
+# blocks (the last one short). These run BLOCK_SUBSET only ("1": its windowed cases only).
+BLOCKINGS = [(None, w, (tuple(range(1, w)),) if w > 1 else (), None) for w in (1, 2, 4, 8)] + [
+    ("0", 4, ((1,), (2,), (3,)), BLOCK_SUBSET),
+    ("1", 4, ((1,), (2,), (3,)), (5, 7)),
+    (_block_keys(4, 2), 4, ((1, 2), (3,)), BLOCK_SUBSET),
+    (_block_keys(8, 2), 8, ((1, 2), (3, 4), (5, 6), (7,)), BLOCK_SUBSET),
+]
+
+
+@pytest.mark.parametrize("keys,world,blocks,subset", BLOCKINGS,
+                         ids=[f"cp{w}-keys{k or 'default'}" for k, w, _, _ in BLOCKINGS])
+def test_ring_matches_float64_reference(keys, world, blocks, subset):
+    # "" is the default (16384), also when the caller's shell exports another value
+    env = {"CP_SOFTCAP_RING_BLOCK_KEYS": "" if keys is None else keys}
+    results = run_ranks(_worker, world, "ring", subset, timeout=240, env=env)
+    for got, _ in results:               # the env reached the ring: the blocks it used
+        assert got == blocks, (got, blocks)
+    worst = max(max(v for k, v in e.items() if k != "saturated") for _, r in results for e in r)
+    print(f"cp={world} keys={keys or 'default'}: worst max-relative error over all cases/ranks = {worst:.3g}")
 
 
 def _determinism_worker(rank, world):
