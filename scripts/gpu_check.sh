@@ -10,6 +10,10 @@
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh extra
 #                                      # (call 2 of a second pair): cp_sim with CUDA graphs,
 #                                      #   cp_multi N=1, CP tests with 2/4 ranks on one GPU
+#   bash .fa4b/install.sh && bash scripts/gpu_check.sh blocks
+#                                      # (call 2): every GPU test (CP tests: 2/4 ranks on one
+#                                      #   GPU), fa4 framework overhead at 8K/32K, cp_sim sweep
+#                                      #   over CP_SOFTCAP_RING_BLOCK_KEYS
 # Dry run on CPU (no GPU): GPU_CHECK_DRY=1 bash scripts/gpu_check.sh all
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -78,6 +82,19 @@ if [ "$phase" = final ]; then                   # after fa4 is installed: prepar
   step "cp_sim with prepare_backward (O cast and D correction once per backward)"
   timeout 150 $PY benchmarks/cp_sim.py $bench_args --seqs 32768 131072 --cps 8 --merges fused --prepared --tag prepared 2>&1 | tail -8 || rc=1
   cp $bench_out/cp_sim_prepared.json "$OUT/" 2>/dev/null
+fi
+if [ "$phase" = blocks ]; then                  # after fa4 is installed
+  step "GPU tests: kernels (fa4 included), merge, adapters"
+  timeout 150 $PY -m pytest tests/test_gpu_kernels.py $tests_common -q -rs -n 4 \
+      -p no:cacheprovider 2>&1 | tee "$OUT/pytest_kernels.log" | tail -12 || rc=1
+  step "GPU CP tests: 2 and 4 ranks on one GPU via gloo host staging (all comm types)"
+  timeout 130 $PY -m pytest tests/test_gpu_cp.py -q -rs -n 3 -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cp.log" | tail -12 || rc=1
+  step "framework overhead: cps.attention vs the raw fa4 call (softcap 50), 9B/27B, 8K/32K"
+  timeout 110 $PY benchmarks/kernels.py $bench_args --rep-ms 150 --pairs fa4:50 --tag overhead 2>&1 | tail -12 || rc=1
+  cp $bench_out/kernels_overhead.json $bench_out/kernels_overhead.png "$OUT/" 2>/dev/null
+  step "cp_sim: ring blocks of 0 / 16384 / 32768 keys, 32K and 128K, cp 2/4/8"
+  timeout 150 $PY benchmarks/cp_sim.py $bench_args --rep-ms 150 --block-keys 0 16384 32768 --tag blocks 2>&1 | tail -40 || rc=1
+  cp $bench_out/cp_sim_blocks.json $bench_out/cp_sim_blocks.png "$OUT/" 2>/dev/null
 fi
 step "done rc=$rc"
 exit $rc
