@@ -1,6 +1,6 @@
 """The bytes-per-rank model behind comm="auto" (cp/auto.py): closed forms for the ring under
 causal zigzag, the windowed ring, all_gather, a2a and a2a+p2p, the busiest-rank total, the
-choice, and the select CLI. tests_dist/test_comm_model.py checks the model against
+choice, and the select CLI. tests_dist/test_comm_model_dist.py checks the model against
 comm.counting() on real gloo ranks; benchmarks/comm_bytes.py at Gemma2-9B shapes."""
 import pytest
 import torch
