@@ -116,6 +116,24 @@ def host_ms(fn, n: int = 10) -> float:
     return (t1 - t0) * 1e3 / n
 
 
+def profile_top(fn, n: int = 3, top: int = 10) -> dict:
+    """Device time per fn() call by kernel (torch.profiler), busiest first: where the rank's
+    time goes. busy_ms = summed kernel time, to compare with the wall time of one call."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.cuda.is_available()
+    fn()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    kernels = sorted(((getattr(e, attr) / n / 1e3, e.count / n, e.key[:100])
+                      for e in prof.key_averages() if getattr(e, attr) > 0), reverse=True)
+    return dict(busy_ms=sum(k[0] for k in kernels),
+                top=[dict(ms=ms, calls=c, name=name) for ms, c, name in kernels[:top]])
+
+
 def full_attention(kernel, s, hq, hkv, d, dtype, dev, softcap, window, backward):
     q = torch.randn(1, s, hq, d, device=dev, dtype=dtype)
     k = torch.randn(1, s, hkv, d, device=dev, dtype=dtype)
@@ -144,6 +162,8 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=RESULTS)
     p.add_argument("--graph", action="store_true",
                    help="also time a CUDA-graph replay of the rank's work (no host overhead)")
+    p.add_argument("--profile", action="store_true",
+                   help="also record device time by kernel (torch.profiler) per row")
     p.add_argument("--tag", default="", help="suffix of the output files: cp_sim_<tag>.json")
     p.add_argument("--dry-run", action="store_true")
     a = p.parse_args(argv)
@@ -184,6 +204,12 @@ def main(argv=None) -> int:
                         except Exception as e:
                             rec["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                             g_txt = "ERR"
+                    if a.profile:
+                        rec["profile"] = prof = profile_top(fn)
+                        print(f"--- S={s} cp={cp} keys={keys} {mode}: busy {prof['busy_ms']:.3f} ms"
+                              f" of {ms:.3f} ms")
+                        for t in prof["top"]:
+                            print(f"  {t['ms']:8.3f} ms  x{t['calls']:<5g} {t['name']}")
                     records.append(rec)
                     rows.append([s, cp, keys, sim.calls, mode, f"{ms:.3f}",
                                  f"{rec['rank_host_ms']:.3f}", f"{full[mode]:.3f}",

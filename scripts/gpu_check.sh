@@ -14,6 +14,9 @@
 #                                      # (call 2): every GPU test (CP tests: 2/4 ranks on one
 #                                      #   GPU), fa4 framework overhead at 8K/32K, cp_sim sweep
 #                                      #   over CP_SOFTCAP_RING_BLOCK_KEYS
+#   bash .fa4b/install.sh && bash scripts/gpu_check.sh softcap
+#                                      # (call 2): fa4 tests (both softcap implementations),
+#                                      #   builtin vs score_mod softcap benchmark, cp_sim profile
 # Dry run on CPU (no GPU): GPU_CHECK_DRY=1 bash scripts/gpu_check.sh all
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -95,6 +98,18 @@ if [ "$phase" = blocks ]; then                  # after fa4 is installed
   step "cp_sim: ring blocks of 0 / 16384 / 32768 keys, 32K and 128K, cp 2/4/8"
   timeout 150 $PY benchmarks/cp_sim.py $bench_args --rep-ms 150 --block-keys 0 16384 32768 --tag blocks 2>&1 | tail -40 || rc=1
   cp $bench_out/cp_sim_blocks.json $bench_out/cp_sim_blocks.png "$OUT/" 2>/dev/null
+fi
+if [ "$phase" = softcap ]; then                 # after fa4 is installed
+  step "GPU tests: fa4 (score_mod and builtin softcap) + selector + cps.attention"
+  timeout 200 $PY -m pytest tests/test_gpu_kernels.py -q -rs -n 4 -p no:cacheprovider \
+      -k "fa4 or selector or cps_attention" 2>&1 | tee "$OUT/pytest_fa4.log" | tail -12 || rc=1
+  step "fa4 softcap: builtin vs score_mod, 9B/27B, 8K/32K"
+  timeout 200 $PY benchmarks/fa4_softcap.py $bench_args --rep-ms 150 2>&1 | tail -30 || rc=1
+  cp $bench_out/fa4_softcap.json $bench_out/fa4_softcap.png "$OUT/" 2>/dev/null
+  step "cp_sim profile: 32K and 128K, cp 8, 32768 block keys"
+  timeout 150 $PY benchmarks/cp_sim.py $bench_args --rep-ms 150 --seqs 32768 131072 --cps 8 \
+      --block-keys 32768 --profile --tag profile 2>&1 | grep -v USDT | tail -60 || rc=1
+  cp $bench_out/cp_sim_profile.json "$OUT/" 2>/dev/null
 fi
 step "done rc=$rc"
 exit $rc

@@ -154,3 +154,13 @@ def test_cps_attention_end_to_end_on_cuda():
     out.backward(dout)
     check_result(out.detach(), None, (q.grad.float(), k.grad.float(), v.grad.float()), q, k, v,
                  dout, softcap=50.0, causal=True, label="cps.attention")
+
+
+@pytest.mark.parametrize("softcap", [1.0, 30.0])
+@pytest.mark.parametrize("window", [(None, 0), (100, 60)])
+def test_fa4_builtin_softcap_impl(softcap, window):
+    """FA4's own softcap= path (the adapter's default on sm90 is its score_mod): same checks."""
+    kernel_or_skip("fa4", softcap=softcap)
+    from cp_softcap.kernels.fa4 import FA4Kernel
+    kernel = get_kernel("torch") if DRY else FA4Kernel(softcap_impl="builtin")
+    run_case(kernel, 1, 256, 192, 4, 2, 128, torch.bfloat16, softcap, window, dlse=True)

@@ -260,3 +260,19 @@ def test_fa4_exact_d_correction_through_dlse():
     got = tk.backward(dout, q, k, v, out_k, lse, dlse=exact_d_dlse(dout, out32, out_k, None), **kw)
     for g, w in zip(got, want):
         assert torch.allclose(g, w, atol=1e-5, rtol=1e-4)
+
+
+def test_fa4_softcap_kwargs():
+    from cp_softcap.kernels.fa4_softcap import softcap_kwargs
+    mods = lambda cap: (("fwd", cap), ("bwd", cap))                              # noqa: E731
+    assert softcap_kwargs("score_mod", 90, 0.125, None, True, mods) == dict(softmax_scale=0.125,
+                                                                           softcap=0.0)
+    assert softcap_kwargs("builtin", 90, 0.125, 50.0, True, mods) == dict(softmax_scale=0.125,
+                                                                         softcap=50.0)
+    assert softcap_kwargs("score_mod", 100, 0.125, 50.0, True, mods)["softcap"] == 50.0  # sm90 only
+    fwd = softcap_kwargs("score_mod", 90, 0.125, 50.0, False, mods)
+    assert fwd == dict(softmax_scale=0.125 / 50.0, softcap=0.0, score_mod=("fwd", 50.0))
+    bwd = softcap_kwargs("score_mod", 90, 0.125, 50.0, True, mods)
+    assert bwd["score_mod_bwd"] == ("bwd", 50.0) and bwd["softcap"] == 0.0
+    with pytest.raises(ValueError, match="softcap_impl"):
+        FA4Kernel(softcap_impl="fast")

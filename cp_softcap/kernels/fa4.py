@@ -5,7 +5,9 @@ on sm90 (H100/H200) and sm100/sm110/sm120. Layout is the contract's [B, S, H, D]
 
 Calls the low-level `_flash_attn_fwd` / `_flash_attn_bwd` with KEYWORD arguments only (their
 positional order differs from flash-attn 2). softcap off is passed as 0.0: FA4 applies any
-non-zero cap, even a negative one, so a sentinel would silently cap.
+non-zero cap, even a negative one, so a sentinel would silently cap. On sm90 the cap is applied
+through our own score_mod (fa4_softcap.py: no per-score division, scale folded into the cap);
+`FA4Kernel(softcap_impl="builtin")` uses FA4's `softcap=` instead.
 
 JIT compile: the first call for each distinct (dtype, head dim, causal/window kind, GQA packing,
 softcap VALUE, ...) compiles CuTe kernels (~6 s measured on H200 for forward; backward compiles
@@ -28,15 +30,15 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..spec import Window
-from ._common import (common_cuda_reason, cuda_arch, empty_result, missing_params, softcap_value,
-                      try_import)
+from ._common import common_cuda_reason, cuda_arch, empty_result, missing_params, try_import
 from .base import Capabilities, NativeGradKernel
+from .fa4_softcap import IMPLS, softcap_kwargs
 
 _MODULE = "flash_attn.cute.interface"
 _FWD_KW = ("softmax_scale", "causal", "softcap", "window_size_left", "window_size_right",
-           "return_lse")
+           "return_lse", "score_mod")
 _BWD_KW = ("softmax_scale", "causal", "softcap", "window_size_left", "window_size_right",
-           "deterministic", "dlse")
+           "deterministic", "dlse", "score_mod", "score_mod_bwd")
 INSTALL_HINT = "install flash-attn-4 (pip install 'cp-softcap[fa4]')"
 
 
@@ -80,7 +82,11 @@ class FA4Kernel(NativeGradKernel):
         notes=("JIT: first call per distinct softcap value compiles (~seconds)",
                "gradients are computed in the input dtype by FA4 and returned as float32"))
 
-    def __init__(self):
+    def __init__(self, softcap_impl: str = "score_mod"):
+        """softcap_impl: "score_mod" (ours, sm90; see fa4_softcap.py) or "builtin" (FA4's softcap=)."""
+        if softcap_impl not in IMPLS:
+            raise ValueError(f"FA4Kernel(softcap_impl={softcap_impl!r}); expected one of {IMPLS}")
+        self.softcap_impl = softcap_impl
         self._mod = None
         self._import_reason: Optional[str] = None
         self._imported = False
@@ -125,9 +131,10 @@ class FA4Kernel(NativeGradKernel):
         if mod is None:
             raise RuntimeError(self._import_reason)
         left, right = window
-        res = mod._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=False,
-                                  softcap=softcap_value(softcap), window_size_left=left,
-                                  window_size_right=right, return_lse=True)
+        res = mod._flash_attn_fwd(q, k, v, causal=False, window_size_left=left,
+                                  window_size_right=right, return_lse=True,
+                                  **softcap_kwargs(self.softcap_impl, cuda_arch(q.device), scale, softcap,
+                                                   backward=False))
         return res[0], res[1]
 
     def prepare_backward(self, dout, out, dlse, dtype):
@@ -154,8 +161,8 @@ class FA4Kernel(NativeGradKernel):
             dlse = exact_d_dlse(dout_k, out, out_k, dlse)
         dq, dk, dv = mod._flash_attn_bwd(
             q, k, v, out_k, dout_k, lse.float().contiguous(),
-            softmax_scale=scale, causal=False, softcap=softcap_value(softcap),
-            window_size_left=left, window_size_right=right,
+            causal=False, window_size_left=left, window_size_right=right,
+            **softcap_kwargs(self.softcap_impl, cuda_arch(q.device), scale, softcap, backward=True),
             deterministic=torch.are_deterministic_algorithms_enabled(),
             dlse=None if dlse is None else dlse.float().contiguous())[:3]
         return dq, dk, dv
