@@ -24,6 +24,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cp_softcap.cp.grad_accum import GradAccumulator                 # noqa: E402
 from cp_softcap.cp.ring import backward_calls, forward_calls          # noqa: E402
 from cp_softcap.kernels import get_kernel                           # noqa: E402
 from cp_softcap.kernels.base import grad_dtype                      # noqa: E402
@@ -71,19 +72,18 @@ class RankSim:
         out, lse = self.forward()
         gdt = grad_dtype(self.q.dtype)
         dout, out, dlse = self.kernel.prepare_backward(self.dout, out, None, self.q.dtype)
-        dq = torch.zeros(self.q.shape, dtype=gdt, device=self.q.device)
-        dk = torch.zeros(self.k.shape, dtype=gdt, device=self.q.device)
-        dv = torch.zeros_like(dk)
+        dq, dk, dv = (GradAccumulator(t.shape, gdt, self.q.device)
+                      for t in (self.q, self.k, self.v))
         backward_calls(dout, self.q, self.k, self.v, out, lse, dlse, self.self_calls, *kw,
                        dq, dk, dv)
         for kb, vb, calls, returned, ranges in self.blocks:
-            gk = torch.zeros(kb.shape, dtype=gdt, device=kb.device)
-            gv = torch.zeros_like(gk)
+            gk, gv = (GradAccumulator(t.shape, gdt, kb.device) for t in (kb, vb))
             backward_calls(dout, self.q, kb, vb, out, lse, dlse, calls, *kw, dq, gk, gv)
+            gk.result(), gv.result()        # what ring_backward sends back to the key owners
             for g, (k0, k1) in zip(returned, ranges):
-                dk[:, k0:k1] += g
-                dv[:, k0:k1] += g
-        return dq.to(self.q.dtype), dk.to(self.k.dtype), dv.to(self.v.dtype)
+                dk.add(k0, k1, g)
+                dv.add(k0, k1, g)
+        return tuple(a.result().to(t.dtype) for a, t in ((dq, self.q), (dk, self.k), (dv, self.v)))
 
 
 def graphed(fn):

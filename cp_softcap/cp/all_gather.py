@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..comm import all_gather, reduce_scatter, wait
 from ..layout import plan_pair
+from .grad_accum import GradAccumulator
 from .packing import pack, unpack
 from ..kernels.base import grad_dtype
 
@@ -100,25 +101,27 @@ class AllGatherAttention(torch.autograd.Function):
         kv = _Gathered(k, v, group, "all_gather.bwd.kv")
         gdt = grad_dtype(q.dtype)
         total = 2 * cp * chunk
-        dq = torch.zeros(q.shape, dtype=gdt, device=q.device)
-        dk_full = torch.zeros((k.shape[0], total) + tuple(k.shape[2:]), dtype=gdt, device=q.device)
-        dv_full = torch.zeros((v.shape[0], total) + tuple(v.shape[2:]), dtype=gdt, device=q.device)
+        dq = GradAccumulator(q.shape, gdt, q.device)
+        dk_full = GradAccumulator((k.shape[0], total) + tuple(k.shape[2:]), gdt, q.device)
+        dv_full = GradAccumulator((v.shape[0], total) + tuple(v.shape[2:]), gdt, q.device)
         for row, plan in _chunk_calls(cp, rank, chunk, window):
             if plan is None:
                 continue
             q0, q1, k0, k1, w = plan
             ks, vs = kv.keys(k0, k1)
             rows = slice(row + q0, row + q1)
-            gq, gk, gv = kernel.backward(dout[:, rows], q[:, rows], ks, vs, out[:, rows],
-                                         lse[:, :, rows], scale=scale, softcap=softcap, window=w)
-            dq[:, rows] += gq
-            dk_full[:, k0:k1] += gk
-            dv_full[:, k0:k1] += gv
+            gq, gk, gv = kernel.backward_any_dtype(dout[:, rows], q[:, rows], ks, vs,
+                                                   out[:, rows], lse[:, :, rows], scale=scale,
+                                                   softcap=softcap, window=w)
+            dq.add(rows.start, rows.stop, gq)
+            dk_full.add(k0, k1, gk)
+            dv_full.add(k0, k1, gv)
         # reorder global dK/dV into per-owner zigzag slots and reduce-scatter in float32
+        dk_full, dv_full = dk_full.result(), dv_full.result()
         slots = torch.stack([pack(*_owner_shard(dk_full, dv_full, cp, r)) for r in range(cp)])
         mine = reduce_scatter(slots, group, "all_gather.bwd.dkv")
         dk, dv = unpack(mine, k.shape, v.shape)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.result().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def _owner_shard(dk_full, dv_full, cp, r):

@@ -14,7 +14,7 @@ as one long kernel call (layout.block_plan); the next block is in flight while o
 
 Forward merges every partial into ONE float32 accumulator (LSE merge). Backward re-fetches the
 K/V, calls each pair's kernel backward with the final merged out/LSE (exact, kernels.md), keeps
-dQ locally in float32 and returns each float32 dK/dV partial to the rank that owns the keys,
+dQ locally in float32 (GradAccumulator: 16-bit partials widen as they are added) and returns each float32 dK/dV partial to the rank that owns the keys,
 which sums them in step order (deterministic). Gradients are cast to the input dtype once.
 
 Message order: every rank posts kv(block 0), then per block i: kv(i+1), dkv(i). Blocks are the
@@ -30,6 +30,7 @@ from ..comm import Exchange
 from ..kernels.base import grad_dtype
 from ..layout import block_keys, block_plan, key_range, plan_step, ring_blocks
 from ..merge import merge_into, new_accumulator
+from .grad_accum import GradAccumulator
 
 
 class _Block:
@@ -67,16 +68,17 @@ def forward_calls(q, ks, vs, calls, kernel, scale, softcap, acc_out, acc_lse) ->
 
 
 def backward_calls(dout, q, ks, vs, out, lse, dlse, calls, kernel, scale, softcap, dq, dk, dv):
-    """Backward of `calls` given the final (out, lse); adds into dq (rows) and dk/dv (keys)."""
+    """Backward of `calls` given the final (out, lse); adds into the GradAccumulators dq (rows)
+    and dk/dv (keys)."""
     for c in calls:
         rows = slice(c.q0, c.q1)
-        gq, gk, gv = kernel.backward(
+        gq, gk, gv = kernel.backward_any_dtype(
             dout[:, rows], q[:, rows], ks[:, c.k0:c.k1], vs[:, c.k0:c.k1], out[:, rows],
             lse[:, :, rows], scale=scale, softcap=softcap, window=c.window,
             dlse=None if dlse is None else dlse[:, :, rows])
-        dq[:, rows] += gq
-        dk[:, c.k0:c.k1] += gk
-        dv[:, c.k0:c.k1] += gv
+        dq.add(c.q0, c.q1, gq)
+        dk.add(c.k0, c.k1, gk)
+        dv.add(c.k0, c.k1, gv)
 
 
 def ring_forward(q, k, v, group, kernel, scale, softcap, window):
@@ -104,9 +106,7 @@ def ring_backward(dout, q, k, v, out, lse, group, kernel, scale, softcap, window
     gdt = grad_dtype(q.dtype)
     # Once per backward, not per chunk pair: e.g. fa4 casts the float32 O and corrects D here.
     dout, out, dlse = kernel.prepare_backward(dout, out, None, q.dtype)
-    dq = torch.zeros(q.shape, dtype=gdt, device=q.device)
-    dk = torch.zeros(k.shape, dtype=gdt, device=q.device)
-    dv = torch.zeros(v.shape, dtype=gdt, device=q.device)
+    dq, dk, dv = (GradAccumulator(t.shape, gdt, q.device) for t in (q, k, v))
     args = (kernel, scale, softcap)
     post = lambda i: _Block(group, "ring.bwd.kv", k, v, cp, rank, chunk, window, blocks[i])  # noqa: E731
     pending = post(0) if blocks else None
@@ -116,16 +116,16 @@ def ring_backward(dout, q, k, v, out, lse, group, kernel, scale, softcap, window
     for i in range(len(blocks)):
         blk = pending.wait()
         pending = post(i + 1) if i + 1 < len(blocks) else None
-        gk = torch.zeros(blk.k.shape, dtype=gdt, device=q.device)
-        gv = torch.zeros(blk.v.shape, dtype=gdt, device=q.device)
+        gk, gv = (GradAccumulator(t.shape, gdt, q.device) for t in (blk.k, blk.v))
         backward_calls(dout, q, blk.k, blk.v, out, lse, dlse, blk.calls, *args, dq, gk, gv)
-        posted = _GradReturn(group, gk, gv, blk.slots, k, v, cp, rank, chunk, window, blocks[i])
+        posted = _GradReturn(group, gk.result(), gv.result(), blk.slots, k, v, cp, rank, chunk,
+                             window, blocks[i])
         if returning is not None:
             returning.add_into(dk, dv)
         returning = posted
     if returning is not None:
         returning.add_into(dk, dv)
-    return dq, dk, dv
+    return dq.result(), dk.result(), dv.result()
 
 
 class _GradReturn:
@@ -152,8 +152,8 @@ class _GradReturn:
     def add_into(self, dk, dv) -> None:
         self.exchange.wait()
         for (k0, k1), rk, rv in self.received:      # step order: deterministic sums
-            dk[:, k0:k1] += rk
-            dv[:, k0:k1] += rv
+            dk.add(k0, k1, rk)
+            dv.add(k0, k1, rv)
 
 
 class RingAttention(torch.autograd.Function):

@@ -83,6 +83,16 @@ class Kernel:
                                    window=window, dlse=dlse)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
+    def backward_any_dtype(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
+                           scale: float, softcap: Optional[float], window: Window,
+                           dlse: Optional[torch.Tensor] = None
+                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients in whichever dtype the kernel makes them (float32 here, the input dtype
+        for NativeGradKernel), for callers that widen while accumulating (cp.grad_accum)."""
+        return self.backward(dout, q, k, v, out, lse, scale=scale, softcap=softcap,
+                             window=window, dlse=dlse)
+
     def prepare_backward(self, dout: torch.Tensor, out: torch.Tensor,
                          dlse: Optional[torch.Tensor], dtype: torch.dtype):
         """Once per backward, for callers that run many chunk-pair backwards on the same rows
@@ -101,6 +111,9 @@ class NativeGradKernel(Kernel):
         grads = self.backward_native(dout, q, k, v, out, lse, scale=scale, softcap=softcap,
                                      window=window, dlse=dlse)
         return tuple(g.to(grad_dtype(g.dtype)) for g in grads)
+
+    def backward_any_dtype(self, *args, **kwargs):
+        return self.backward_native(*args, **kwargs)
 
 
 def grad_dtype(dtype: torch.dtype) -> torch.dtype:
