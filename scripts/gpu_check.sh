@@ -17,6 +17,9 @@
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh softcap
 #                                      # (call 2): fa4 tests (both softcap implementations),
 #                                      #   builtin vs score_mod softcap benchmark, cp_sim profile
+#   bash .fa4b/install.sh && bash scripts/gpu_check.sh accum
+#                                      # (call 2): fa4 + CP GPU tests, cp_sim sweep (16384/32768
+#                                      #   block keys), window 4095, profile at cp 8
 # Dry run on CPU (no GPU): GPU_CHECK_DRY=1 bash scripts/gpu_check.sh all
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -110,6 +113,20 @@ if [ "$phase" = softcap ]; then                 # after fa4 is installed
   timeout 150 $PY benchmarks/cp_sim.py $bench_args --rep-ms 150 --seqs 32768 131072 --cps 8 \
       --block-keys 32768 --profile --tag profile 2>&1 | grep -v USDT | tail -60 || rc=1
   cp $bench_out/cp_sim_profile.json "$OUT/" 2>/dev/null
+fi
+if [ "$phase" = accum ]; then                   # after fa4 is installed
+  step "GPU tests: fa4 kernels + CP on one GPU (ring/all_gather backward through GradAccumulator)"
+  timeout 150 $PY -m pytest tests/test_gpu_kernels.py tests/test_kernel_adapters.py -q -rs -n 4 \
+      -p no:cacheprovider -k "fa4 or selector or cps_attention" 2>&1 | tee "$OUT/pytest_fa4.log" | tail -6 || rc=1
+  timeout 150 $PY -m pytest tests/test_gpu_cp.py -q -rs -n 3 -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cp.log" | tail -8 || rc=1
+  step "cp_sim: block keys 16384 / 32768, 32K and 128K, cp 2/4/8 (GradAccumulator backward)"
+  timeout 150 $PY benchmarks/cp_sim.py $bench_args --rep-ms 150 --block-keys 16384 32768 --tag accum 2>&1 | tail -30 || rc=1
+  step "cp_sim: Gemma2 local layers (window 4095), cp 8"
+  timeout 100 $PY benchmarks/cp_sim.py $bench_args --rep-ms 150 --cps 8 --block-keys 16384 32768 --window 4095 --tag window 2>&1 | tail -12 || rc=1
+  step "cp_sim profile: 32K and 128K, cp 8, 32768 block keys"
+  timeout 100 $PY benchmarks/cp_sim.py $bench_args --rep-ms 150 --seqs 32768 131072 --cps 8 \
+      --block-keys 32768 --profile --tag accum_profile 2>&1 | grep -v USDT | tail -40 || rc=1
+  cp $bench_out/cp_sim_accum*.json $bench_out/cp_sim_accum.png $bench_out/cp_sim_window.* "$OUT/" 2>/dev/null
 fi
 step "done rc=$rc"
 exit $rc

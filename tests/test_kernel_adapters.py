@@ -262,6 +262,18 @@ def test_fa4_exact_d_correction_through_dlse():
         assert torch.allclose(g, w, atol=1e-5, rtol=1e-4)
 
 
+def test_fa4_exact_d_dlse_with_16bit_inputs_matches_float32_formula():
+    """The ring passes bf16 dO/O_k: the promoted one-pass form equals the float32 formula."""
+    from cp_softcap.kernels.fa4 import exact_d_dlse
+    out32 = torch.randn(2, 24, 4, 16)
+    out_k, dout = out32.to(torch.bfloat16), torch.randn(2, 24, 4, 16).to(torch.bfloat16)
+    dlse = torch.randn(2, 4, 24)
+    want = dlse - (dout.float() * (out32 - out_k.float())).sum(-1).transpose(1, 2)
+    got = exact_d_dlse(dout, out32, out_k, dlse)
+    assert got.dtype == torch.float32 and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_fa4_softcap_kwargs():
     from cp_softcap.kernels.fa4_softcap import softcap_kwargs
     mods = lambda cap: (("fwd", cap), ("bwd", cap))                              # noqa: E731

@@ -14,8 +14,9 @@ as one long kernel call (layout.block_plan); the next block is in flight while o
 
 Forward merges every partial into ONE float32 accumulator (LSE merge). Backward re-fetches the
 K/V, calls each pair's kernel backward with the final merged out/LSE (exact, kernels.md), keeps
-dQ locally in float32 (GradAccumulator: 16-bit partials widen as they are added) and returns each float32 dK/dV partial to the rank that owns the keys,
-which sums them in step order (deterministic). Gradients are cast to the input dtype once.
+dQ locally in float32 (GradAccumulator: 16-bit kernel partials widen as they are added) and
+returns each float32 dK/dV partial to the rank that owns the keys, which sums them in step order
+(deterministic). Gradients are cast to the input dtype once.
 
 Message order: every rank posts kv(block 0), then per block i: kv(i+1), dkv(i). Blocks are the
 same everywhere, so for any pair of ranks the sends of one match the receives of the other in

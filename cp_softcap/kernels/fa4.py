@@ -68,7 +68,8 @@ def exact_d_dlse(dout: torch.Tensor, out32: torch.Tensor, out_k: torch.Tensor,
         dLSE' = dLSE - rowsum(dO * (O - O_k)).
     (With a 16-bit O, near one-hot softcapped rows lose their gradient to rounding in D.)
     dout/out [B, S, H, D] -> [B, H, S] float32."""
-    corr = (dout.float() * (out32.float() - out_k.float())).sum(-1).transpose(1, 2)
+    # (float32 - 16-bit) promotes to float32 in one pass: no separate float32 copies of O_k, dO
+    corr = ((out32.float() - out_k) * dout).sum(-1, dtype=torch.float32).transpose(1, 2)
     return (-corr if dlse is None else dlse.float() - corr).contiguous()
 
 
