@@ -3,15 +3,21 @@
 FLOPs (causal forward): 4 * B * Hq * S^2 * D / 2; backward = 2.5 x forward (fwd+bwd = 3.5 x).
 Timing: triton.testing.do_bench (median, CUDA events) after an explicit warm-up call (JIT).
 On CPU (--dry-run) a wall-clock median stands in so scripts can be checked without a GPU.
+Multi-rank CPU benchmarks (comm_bytes, ring_cpu) start their gloo ranks with launch_ranks.
 """
 from __future__ import annotations
 
 import json
 import os
+import queue
+import signal
 import statistics
 import sys
+import tempfile
 import time
-from typing import Callable, Dict, List
+import traceback
+from datetime import timedelta
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -84,3 +90,127 @@ def bar_plot(path: str, labels: List[str], series: Dict[str, List[float]], ylabe
 def table(rows: List[List[str]]) -> str:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+# --------------------------------------------------------------------------- gloo ranks on CPU
+
+def _rank_entry(fn, rank, world, init_file, results, args, pg_timeout, pin_cores):
+    """One spawned rank: one thread (optionally pinned to one core), gloo via the rendezvous
+    file, fn(rank, world, *args); puts (rank, "ok", value) or (rank, "error", traceback)."""
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    if pin_cores:       # before init_process_group, so gloo's threads inherit the pinning
+        try:
+            cores = sorted(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, {cores[rank % len(cores)]})
+        except (AttributeError, OSError):
+            pass
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=pg_timeout))
+        results.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException:   # report everything, KeyboardInterrupt / SystemExit included
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def _exit_text(code: int) -> str:
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    hint = " (out of memory? the OOM killer sends SIGKILL)" if -code == signal.SIGKILL else ""
+    return f"killed by {name}, exit code {code}{hint}"
+
+
+def launch_ranks(fn: Callable, world: int, args: Sequence = (), env: Optional[Mapping[str, str]] = None,
+                 timeout: float = 900.0, *, pg_timeout: float = 600.0, pin_cores: bool = False,
+                 poll_s: float = 1.0) -> List:
+    """Run fn(rank, world, *args) on `world` spawned processes joined by gloo (file rendezvous in
+    a fresh temporary directory, one thread each; rank r pinned to core r % ncores with
+    pin_cores) and return the ranks' return values, in rank order. fn must be picklable (a
+    module-level function) and so must args and the values it returns.
+
+    env is put into os.environ around the spawn (restored afterwards), so the children have it
+    from exec: malloc (MALLOC_*) and OpenMP read theirs at process start, not later.
+    pg_timeout is the process group's timeout (s); timeout is the whole launch's deadline (s).
+
+    Raises RuntimeError, after every process is gone (joined, or killed): with the traceback of
+    the lowest rank that raised; for a rank that exited without reporting, with its exit code or
+    signal; or when ranks are still running after `timeout` seconds, naming them."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    env = dict(env or {})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            results = ctx.Queue()
+            procs = [ctx.Process(target=_rank_entry, daemon=True,
+                                 args=(fn, r, world, os.path.join(tmp, "rdzv"), results, tuple(args),
+                                       pg_timeout, pin_cores))
+                     for r in range(world)]
+            for p in procs:
+                p.start()
+            got, errors = {}, {}
+
+            def take(item):
+                r, status, value = item
+                (got if status == "ok" else errors)[r] = value
+
+            deadline = time.monotonic() + timeout
+            try:
+                while len(got) + len(errors) < world and not errors:
+                    try:
+                        take(results.get(timeout=poll_s))
+                        continue
+                    except queue.Empty:
+                        pass
+                    gone = [r for r, p in enumerate(procs)
+                            if r not in got and r not in errors and p.exitcode is not None]
+                    if gone:
+                        time.sleep(poll_s)      # a last report may still be in the queue's pipe
+                        try:
+                            while True:
+                                take(results.get_nowait())
+                        except queue.Empty:
+                            pass
+                        for r in gone:
+                            if r not in got and r not in errors:
+                                errors[r] = (f"process exited without a report: "
+                                             f"{_exit_text(procs[r].exitcode)}")
+                    if not errors and time.monotonic() > deadline:
+                        missing = sorted(set(range(world)) - set(got))
+                        raise RuntimeError(
+                            f"{fn.__name__}: ranks {missing} of {world} did not finish within "
+                            f"timeout={timeout}s (process-group timeout {pg_timeout}s, "
+                            f"CP_SOFTCAP_TIMEOUT={os.environ.get('CP_SOFTCAP_TIMEOUT', '(unset)')}); "
+                            f"ranks {sorted(got)} had reported")
+            finally:
+                done = len(got) == world
+                for p in procs:
+                    p.join(timeout=10 if done else 1)
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
+                        p.join(timeout=5)
+            if errors:
+                r = min(errors)
+                others = sorted(set(errors) - {r})
+                raise RuntimeError(f"{fn.__name__}: rank {r} of {world} failed"
+                                   + (f" (ranks {others} failed too)" if others else "")
+                                   + f":\n{errors[r]}")
+            return [got[r] for r in range(world)]
+    finally:
+        for k, old in saved.items():
+            if old is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = old

@@ -35,16 +35,13 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import queue
 import sys
-import tempfile
 import time
-from datetime import timedelta
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._util import RESULTS, bar_plot, save, table  # noqa: E402
+from benchmarks._util import RESULTS, bar_plot, launch_ranks, save, table  # noqa: E402
 
 MiB = 2 ** 20
 HQ, HKV, D_REAL, CP = 16, 8, 256, 8
@@ -110,95 +107,49 @@ def _install_standin(kernel):
 
 # --------------------------------------------------------------------------- one rank
 
-def _rank_main(rank, world, init_file, configs, results):
-    torch.set_num_threads(1)
+def _rank_main(rank, world, configs):
+    """One gloo rank (started by launch_ranks): every config's fwd/bwd bytes sent by this rank."""
     import torch.distributed as dist
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=900))
-        import cp_softcap as cps
-        from cp_softcap.comm import counting
-        kernel = _make_standin()
-        patched = _install_standin(kernel)
-        hybrid = {a: cps.make_hybrid_groups(dist.group.WORLD, a) for a in (2, 4)}   # collective
-        out_rows = []
-        for cfg in configs:
-            s, d, window, comm, a2a = cfg["S"], cfg["D"], cfg["window"], cfg["comm"], cfg["a2a"]
-            n = s // world
-            g = torch.Generator().manual_seed(1000 + rank)
-            q = torch.randn(1, n, HQ, d, generator=g).to(torch.bfloat16).requires_grad_()
-            k = torch.randn(1, n, HKV, d, generator=g).to(torch.bfloat16).requires_grad_()
-            v = torch.randn(1, n, HKV, d, generator=g).to(torch.bfloat16).requires_grad_()
-            group = hybrid[a2a] if comm == "a2a+p2p" else dist.group.WORLD
-            before = dict(kernel.calls)
-            dist.barrier()
-            t0 = time.perf_counter()
-            with counting() as fwd:
-                out = cps.cp_attention(q, k, v, group, softcap=SOFTCAP, causal=True, window=window,
-                                       scale=D_REAL ** -0.5, comm=comm)
-            t1 = time.perf_counter()
-            dout = torch.randn(out.shape, generator=g).to(out.dtype)
-            with counting() as bwd:
-                out.backward(dout)
-            t2 = time.perf_counter()
-            assert out.shape == (1, n, HQ, d) and out.dtype == torch.bfloat16, out.shape
-            assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
-            calls = {p: kernel.calls[p] - before[p] for p in kernel.calls}
-            out_rows.append({"fwd": dict(fwd.sent), "bwd": dict(bwd.sent), "kernel_calls": calls,
-                             "fwd_s": t1 - t0, "bwd_s": t2 - t1})
-            del q, k, v, out, dout, fwd, bwd
-            gc.collect()
+    import cp_softcap as cps
+    from cp_softcap.comm import counting
+    kernel = _make_standin()
+    patched = _install_standin(kernel)
+    hybrid = {a: cps.make_hybrid_groups(dist.group.WORLD, a) for a in (2, 4)}   # collective
+    out_rows = []
+    for cfg in configs:
+        s, d, window, comm, a2a = cfg["S"], cfg["D"], cfg["window"], cfg["comm"], cfg["a2a"]
+        n = s // world
+        g = torch.Generator().manual_seed(1000 + rank)
+        q = torch.randn(1, n, HQ, d, generator=g).to(torch.bfloat16).requires_grad_()
+        k = torch.randn(1, n, HKV, d, generator=g).to(torch.bfloat16).requires_grad_()
+        v = torch.randn(1, n, HKV, d, generator=g).to(torch.bfloat16).requires_grad_()
+        group = hybrid[a2a] if comm == "a2a+p2p" else dist.group.WORLD
+        before = dict(kernel.calls)
         dist.barrier()
-        results.put((rank, "ok", {"rows": out_rows, "patched": patched}))
-    except BaseException:
-        import traceback
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+        t0 = time.perf_counter()
+        with counting() as fwd:
+            out = cps.cp_attention(q, k, v, group, softcap=SOFTCAP, causal=True, window=window,
+                                   scale=D_REAL ** -0.5, comm=comm)
+        t1 = time.perf_counter()
+        dout = torch.randn(out.shape, generator=g).to(out.dtype)
+        with counting() as bwd:
+            out.backward(dout)
+        t2 = time.perf_counter()
+        assert out.shape == (1, n, HQ, d) and out.dtype == torch.bfloat16, out.shape
+        assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+        calls = {p: kernel.calls[p] - before[p] for p in kernel.calls}
+        out_rows.append({"fwd": dict(fwd.sent), "bwd": dict(bwd.sent), "kernel_calls": calls,
+                         "fwd_s": t1 - t0, "bwd_s": t2 - t1})
+        del q, k, v, out, dout, fwd, bwd
+        gc.collect()
+    dist.barrier()
+    return {"rows": out_rows, "patched": patched}
 
 
 def run_ranks(configs, world=CP, timeout=3000.0):
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        results = ctx.Queue()
-        env_timeout = os.environ.setdefault("CP_SOFTCAP_TIMEOUT", "900")
-        procs = [ctx.Process(target=_rank_main, args=(r, world, os.path.join(tmp, "rdzv"), configs, results),
-                             daemon=True) for r in range(world)]
-        for p in procs:
-            p.start()
-        got, errors = {}, {}
-        deadline = time.monotonic() + timeout
-        try:
-            while len(got) + len(errors) < world and not errors:
-                try:
-                    r, status, value = results.get(timeout=1.0)
-                    (got if status == "ok" else errors)[r] = value
-                    continue
-                except queue.Empty:
-                    pass
-                for r, p in enumerate(procs):
-                    if r not in got and r not in errors and p.exitcode not in (None, 0):
-                        time.sleep(1.0)
-                        if results.empty():
-                            errors[r] = f"process exited with code {p.exitcode} without a report (out of memory?)"
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"ranks did not finish within {timeout}s (CP_SOFTCAP_TIMEOUT={env_timeout})")
-        finally:
-            for p in procs:
-                p.join(timeout=10 if not errors else 1)
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
-        if errors:
-            r = min(errors)
-            raise RuntimeError(f"rank {r} failed:\n{errors[r]}")
-        return [got[r] for r in range(world)]
+    """Every rank's {"rows", "patched"} from _rank_main on `world` gloo ranks (CPU)."""
+    env = {"CP_SOFTCAP_TIMEOUT": os.environ.get("CP_SOFTCAP_TIMEOUT", "900")}
+    return launch_ranks(_rank_main, world, (configs,), env=env, timeout=timeout, pg_timeout=900)
 
 
 # --------------------------------------------------------------------------- analytical model

@@ -40,15 +40,13 @@ import argparse
 import math
 import os
 import platform
-import queue
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
-from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _util import RESULTS, bar_plot, launch_ranks, save, table  # noqa: E402
 
 HQ, HKV, D, B, CAP = 8, 4, 64, 1, 50.0
 WINDOW = (None, 0)   # causal, as normalize_window(None, causal=True) gives
@@ -76,16 +74,35 @@ def _step_calls(cp, rank, chunk):
             for src in range(cp) if need[rank][src]]
 
 
-def _kv_buffers(k, v, groups):
-    """Random K/V buffers of each group's key count (the self group uses the local K/V)."""
+def _local_inputs(shapes, seed):
+    """Yield (s_local, modes, chunk, q, k, v) for each (s_local, modes) of shapes: this rank's
+    random local Q/K/V of s_local tokens (two chunks of `chunk`), from a generator seeded `seed`."""
     import torch
-    bufs = []
-    for i, (n, _) in enumerate(groups):
-        if i == 0 and n == k.shape[1]:
-            bufs.append((k, v))
-        else:
-            bufs.append((torch.randn(B, n, HKV, D), torch.randn(B, n, HKV, D)))
-    return bufs
+    for s_local, modes in shapes:
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(B, s_local, HQ, D, generator=g)
+        k = torch.randn(B, s_local, HKV, D, generator=g)
+        v = torch.randn(B, s_local, HKV, D, generator=g)
+        yield s_local, modes, s_local // 2, q, k, v
+
+
+def _call_buffers(k, v, groups):
+    """[(call, K buffer, V buffer)] for every call of every group, in order; each group's buffers
+    hold its key count (the self group's are the local K/V, the others random)."""
+    import torch
+    out = []
+    for i, (n, calls) in enumerate(groups):
+        kb, vb = ((k, v) if i == 0 and n == k.shape[1]
+                  else (torch.randn(B, n, HKV, D), torch.randn(B, n, HKV, D)))
+        out += [(c, kb, vb) for c in calls]
+    return out
+
+
+def _sliced(q, calls):
+    """Yield (call, q, k, v) with each call's slices of q and of its K/V buffers (_call_buffers),
+    slicing as it goes: inside the timed loops, as the ring slices per call."""
+    for c, kb, vb in calls:
+        yield c, q[:, c.q0:c.q1], kb[:, c.k0:c.k1], vb[:, c.k0:c.k1]
 
 
 # ----------------------------------------------------------------------------- workers
@@ -95,19 +112,21 @@ def _barrier():
     dist.barrier()
 
 
-def _kernels_alone(kernel, q, groups, bufs, scale, backward, keep=None):
+def _forward(kernel, c, qs, ks, vs, scale):
+    """The kernel class's forward (never a _Probe wrapper) for one call."""
+    return type(kernel).forward(kernel, qs, ks, vs, scale=scale, softcap=CAP, window=c.window)
+
+
+def _kernels_alone(kernel, q, calls, scale, backward, keep=None):
+    """Run the calls of _call_buffers on the kernel alone (forward, + backward if asked)."""
     import torch
-    for (_, calls), (kb, vb) in zip(groups, bufs):
-        for c in calls:
-            qs, ks, vs = q[:, c.q0:c.q1], kb[:, c.k0:c.k1], vb[:, c.k0:c.k1]
-            out, lse = type(kernel).forward(kernel, qs, ks, vs, scale=scale, softcap=CAP,
-                                            window=c.window)
-            if keep is not None:
-                keep.append((c, out, lse))
-            if backward:
-                dout = torch.ones_like(out)
-                type(kernel).backward(kernel, dout, qs, ks, vs, out, lse, scale=scale,
-                                      softcap=CAP, window=c.window)
+    for c, qs, ks, vs in _sliced(q, calls):
+        out, lse = _forward(kernel, c, qs, ks, vs, scale)
+        if keep is not None:
+            keep.append((c, out, lse))
+        if backward:
+            type(kernel).backward(kernel, torch.ones_like(out), qs, ks, vs, out, lse, scale=scale,
+                                  softcap=CAP, window=c.window)
 
 
 class _Probe:
@@ -180,18 +199,12 @@ def _time_worker(rank, cp, shapes, reps):
     kernel = get_kernel("torch")
     scale = 1.0 / math.sqrt(D)
     records = []
-    for s_local, modes in shapes:
-        chunk = s_local // 2
-        g = torch.Generator().manual_seed(1000 + rank)
-        q = torch.randn(B, s_local, HQ, D, generator=g)
-        k = torch.randn(B, s_local, HKV, D, generator=g)
-        v = torch.randn(B, s_local, HKV, D, generator=g)
+    for s_local, modes, chunk, q, k, v in _local_inputs(shapes, 1000 + rank):
         steps = sum(needs(cp, chunk, WINDOW)[rank])
-        refs = {"per_step": _step_calls(cp, rank, chunk)}
+        refs = {"per_step": _call_buffers(k, v, _step_calls(cp, rank, chunk))}
         ring_groups = _ring_calls(cp, rank, chunk)
         if ring_groups is not None:
-            refs["as_ring"] = ring_groups
-        ref_bufs = {name: _kv_buffers(k, v, grp) for name, grp in refs.items()}
+            refs["as_ring"] = _call_buffers(k, v, ring_groups)
         for mode in modes:
             bwd = mode == "fwd+bwd"
             n_rep = reps[(s_local, mode)]
@@ -212,10 +225,10 @@ def _time_worker(rank, cp, shapes, reps):
                 if cp > 1 and steps > 1 and br["kernel_calls"] < 2:
                     raise RuntimeError(f"the ring made {br['kernel_calls']} kernel call(s) for "
                                        f"{steps} steps: not the CP path?")
-                for name, grp in refs.items():
+                for name, calls in refs.items():
                     _barrier()
                     t0 = time.perf_counter()
-                    _kernels_alone(kernel, q, grp, ref_bufs[name], scale, bwd)
+                    _kernels_alone(kernel, q, calls, scale, bwd)
                     ref_t[name].append(time.perf_counter() - t0)
                 if rep:
                     ring_t.append(dt)
@@ -232,7 +245,7 @@ def _time_worker(rank, cp, shapes, reps):
                                     for kk_ in parts[0]}}
             for name, ts in ref_t.items():
                 rec[f"{name}_ms"] = statistics.median(ts) * 1e3
-                rec[f"{name}_calls"] = sum(len(c) for _, c in refs[name])
+                rec[f"{name}_calls"] = len(refs[name])
                 rec[f"overhead_vs_{name}"] = statistics.median(
                     [(r - a) / a for r, a in zip(ring_t, ts)])
             kin = rec["breakdown_ms"]["kernel"]
@@ -242,8 +255,7 @@ def _time_worker(rank, cp, shapes, reps):
             if not bwd:
                 # merge + accumulator alone, on the reference partials (component timing)
                 keep = []
-                _kernels_alone(kernel, q, refs.get("as_ring", refs["per_step"]),
-                               ref_bufs.get("as_ring", ref_bufs["per_step"]), scale, False, keep)
+                _kernels_alone(kernel, q, refs.get("as_ring", refs["per_step"]), scale, False, keep)
                 mts = []
                 for _ in range(max(3, n_rep)):
                     t0 = time.perf_counter()
@@ -340,19 +352,13 @@ def _kernel_formula(kernel, sq, sk):
 
 
 def _mem_worker(rank, cp, shapes, reps):
-    import torch
     import torch.distributed as dist
     import cp_softcap as cps
     from cp_softcap.kernels import get_kernel
     kernel = get_kernel("torch")
     scale = 1.0 / math.sqrt(D)
     records = []
-    for s_local, _ in shapes:
-        chunk = s_local // 2
-        g = torch.Generator().manual_seed(2000 + rank)
-        q = torch.randn(B, s_local, HQ, D, generator=g)
-        k = torch.randn(B, s_local, HKV, D, generator=g)
-        v = torch.randn(B, s_local, HKV, D, generator=g)
+    for s_local, _, chunk, q, k, v in _local_inputs(shapes, 2000 + rank):
         ring = lambda: cps.cp_attention(q, k, v, dist.group.WORLD, softcap=CAP,  # noqa: E731
                                         causal=True, comm="ring", backend="torch")
         ring()                                               # warm-up (plans, signature, gloo)
@@ -362,16 +368,12 @@ def _mem_worker(rank, cp, shapes, reps):
         _, rss = _rss_peak(ring)
         # the kernel's working set: its largest call (as the ring makes them), measured alone
         groups = _ring_calls(cp, rank, chunk) or _step_calls(cp, rank, chunk)
-        bufs = _kv_buffers(k, v, groups)
         kpeak, kform, largest = 0, 0, None
-        for (_, calls), (kb, vb) in zip(groups, bufs):
-            for c in calls:
-                _, pk = _alloc_peak(lambda: type(kernel).forward(
-                    kernel, q[:, c.q0:c.q1], kb[:, c.k0:c.k1], vb[:, c.k0:c.k1], scale=scale,
-                    softcap=CAP, window=c.window))
-                kform = max(kform, _kernel_formula(kernel, c.q1 - c.q0, c.k1 - c.k0))
-                if pk > kpeak:
-                    kpeak, largest = pk, c
+        for c, qs, ks, vs in _sliced(q, _call_buffers(k, v, groups)):
+            _, pk = _alloc_peak(lambda: _forward(kernel, c, qs, ks, vs, scale))  # noqa: B023
+            kform = max(kform, _kernel_formula(kernel, c.q1 - c.q0, c.k1 - c.k0))
+            if pk > kpeak:
+                kpeak, largest = pk, c
         c = largest
         acc = B * s_local * HQ * D * 4 + B * HQ * s_local * 4
         kv = B * s_local * HKV * 2 * D * 4
@@ -388,77 +390,11 @@ def _mem_worker(rank, cp, shapes, reps):
     return records
 
 
-def _entry(fn, rank, world, init_file, results, args, env):
-    os.environ.update(env)
-    import torch
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    try:
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank % len(os.sched_getaffinity(0))]})
-    except (AttributeError, OSError):
-        pass
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=600))
-        results.put((rank, "ok", fn(rank, world, *args)))
-    except BaseException:
-        import traceback
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
-
-
 def launch(fn, world, args, env, timeout=900.0):
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)              # spawned children start with it (malloc reads at exec)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            results = ctx.Queue()
-            procs = [ctx.Process(target=_entry, daemon=True,
-                                 args=(fn, r, world, os.path.join(tmp, "rdzv"), results, args, env))
-                     for r in range(world)]
-            for p in procs:
-                p.start()
-            got, errors = {}, {}
-            deadline = time.monotonic() + timeout
-            try:
-                while len(got) + len(errors) < world and not errors:
-                    try:
-                        r, status, value = results.get(timeout=1.0)
-                        (got if status == "ok" else errors)[r] = value
-                        continue
-                    except queue.Empty:
-                        pass
-                    for r, p in enumerate(procs):
-                        if r not in got and r not in errors and p.exitcode not in (None, 0):
-                            time.sleep(1.0)
-                            if results.empty():
-                                errors[r] = f"exited with code {p.exitcode} without a report"
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"ranks did not finish within {timeout}s")
-            finally:
-                for p in procs:
-                    p.join(timeout=10 if not errors else 1)
-                for p in procs:
-                    if p.is_alive():
-                        p.kill()
-                        p.join(timeout=5)
-            if errors:
-                r = min(errors)
-                raise RuntimeError(f"rank {r} failed:\n{errors[r]}")
-            return [rec for r in range(world) for rec in got[r]]
-    finally:
-        for k_, old in saved.items():
-            if old is None:
-                os.environ.pop(k_, None)
-            else:
-                os.environ[k_] = old
+    """Every record fn returns, over the ranks of one launch (rank r pinned to core r % ncores)."""
+    per_rank = launch_ranks(fn, world, args, env=env, timeout=timeout, pg_timeout=600,
+                            pin_cores=True)
+    return [rec for recs in per_rank for rec in recs]
 
 
 # ----------------------------------------------------------------------------- main
@@ -490,7 +426,6 @@ def main():
         print(f"cp={cp}: {time.time() - t0:.0f} s", flush=True)
 
     import torch
-    from _util import RESULTS, bar_plot, save, table
     meta = {"what": "ring framework overhead + forward peak memory, torch kernel, CPU gloo",
             "B": B, "Hq": HQ, "Hkv": HKV, "D": D, "dtype": "float32", "softcap": CAP,
             "causal": True, "threads_per_rank": 1, "cores": os.cpu_count(),

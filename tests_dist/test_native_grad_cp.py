@@ -1,0 +1,52 @@
+"""Ring and all_gather backward with a kernel whose gradient partials come in bf16 (like the
+flash-attn family, NativeGradKernel), on CPU: GradAccumulator must widen them while adding, and
+the result must still match the float64 reference of full attention (gloo on CPU)."""
+import pytest
+import torch
+
+from cases import run_case
+from harness import run_ranks
+
+CAPS = (1.0, 30.0)   # saturating_qkv scales the logits to ~4x the cap: tanh saturates for both
+
+
+def _worker(rank, world, comm):
+    from cp_softcap import kernels
+    from cp_softcap.cp import grad_accum
+    from cp_softcap.kernels.base import NativeGradKernel
+    from cp_softcap.kernels.torch_kernel import TorchKernel
+
+    class NativeBF16Torch(NativeGradKernel, TorchKernel):
+        """The torch kernel's math, gradients rounded to the input dtype (as flash-attn returns)."""
+        calls = 0
+
+        def backward_native(self, dout, q, k, v, out, lse, **kw):
+            type(self).calls += 1
+            grads = TorchKernel.backward(self, dout, q, k, v, out, lse, **kw)
+            return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+    # No way to pass a kernel instance to cp_attention: backend="torch" resolves through
+    # get_kernel's cache, so this (spawned, per-test) process gets the stand-in there.
+    kernels._CACHE["torch"] = NativeBF16Torch()
+    bf16_adds, real_add = [0], grad_accum.GradAccumulator.add
+
+    def add(self, lo, hi, grad):        # count the 16-bit partials the accumulator widens
+        bf16_adds[0] += grad.dtype == torch.bfloat16
+        real_add(self, lo, hi, grad)
+    grad_accum.GradAccumulator.add = add
+
+    base = dict(b=2, s=2 * world * 8, hq=4, hkv=2, d=16, dtype=torch.bfloat16, causal=True)
+    errs = [run_case({**base, "softcap": cap}, seed=3000 + i, comm=comm, backend="torch")
+            for i, cap in enumerate(CAPS)]
+    calls = NativeBF16Torch.calls
+    assert calls > 0 and bf16_adds[0] == 3 * calls, (calls, bf16_adds[0])   # every partial was bf16
+    return errs
+
+
+@pytest.mark.parametrize("comm,world", [("ring", 2), ("ring", 4),
+                                        ("all_gather", 2), ("all_gather", 4)])
+def test_bf16_partials_match_float64_reference(comm, world):
+    results = run_ranks(_worker, world, comm, timeout=120)
+    for i, cap in enumerate(CAPS):
+        worst = {k: max(r[i][k] for r in results) for k in results[0][i]}
+        print(f"{comm} cp={world} cap={cap}: " + " ".join(f"{k}={v:.3g}" for k, v in worst.items()))
