@@ -11,8 +11,9 @@ The rank's calls come from cp_softcap.layout (plan_step for the self step, ring_
 block_plan for the received blocks: consecutive fully visible steps coalesced into one call over
 their concatenated keys) and run through cp_softcap.cp.ring.forward_calls / backward_calls, on
 random K/V blocks of the sizes the ring would receive. Backward: prepare_backward once, each
-call's kernel backward with the final merged (O, LSE), float32 dQ, float32 dK/dV partials per
-block, plus the adds of the partials other ranks would return. Writes
+call's kernel backward with the final merged (O, LSE), float32 dQ, per-block dK/dV partials in
+the dtype the ring returns them (ring.return_dtype), plus the adds of the partials other ranks
+would return. Writes
 benchmarks/results/cp_sim[_tag].json and .png.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cp_softcap.cp.grad_accum import GradAccumulator                 # noqa: E402
-from cp_softcap.cp.ring import backward_calls, forward_calls          # noqa: E402
+from cp_softcap.cp.ring import backward_calls, forward_calls, return_dtype  # noqa: E402
 from cp_softcap.kernels import get_kernel                           # noqa: E402
 from cp_softcap.kernels.base import grad_dtype                      # noqa: E402
 from cp_softcap.layout import block_plan, key_range, plan_step, ring_blocks  # noqa: E402
@@ -51,19 +52,24 @@ class RankSim:
         for steps in ring_blocks(cp, L, keys):
             slots, calls = block_plan(cp, rank, chunk, window, steps)
             n = sum(sl.k1 - sl.k0 for sl in slots)
-            # the dK/dV partials other ranks return for our keys (added in step order)
-            back = [kr for kr in (key_range(cp, (rank + st) % cp, rank, chunk, window)
-                                  for st in steps) if kr is not None]
+            # the dK/dV partials other ranks return for our keys (added in step order), in the
+            # dtype each sender's block returns (ring.return_dtype); one random tensor stands
+            # for both dK and dV (timing only)
+            rdt = lambda r: return_dtype(kernel, dtype, cp, r, chunk, window, steps)  # noqa: E731
+            peers = [(rank + st) % cp for st in steps]
+            back = [(kr, rdt(p)) for kr, p in ((key_range(cp, p, rank, chunk, window), p)
+                                              for p in peers) if kr is not None]
             self.blocks.append((mk(n, hkv), mk(n, hkv), calls,
-                                [torch.randn(1, k1 - k0, hkv, d, device=dev) for k0, k1 in back],
-                                back))
+                                [torch.randn(1, k1 - k0, hkv, d, device=dev).to(dt)
+                                 for (k0, k1), dt in back],
+                                [kr for kr, _ in back], rdt(rank)))
         self.calls = len(self.self_calls) + sum(len(b[2]) for b in self.blocks)
 
     def forward(self):
         kw = (self.kernel, self.scale, self.softcap)
         acc_o, acc_l = new_accumulator(self.q.shape, self.v.shape[-1], self.q.dtype, self.q.device)
         forward_calls(self.q, self.k, self.v, self.self_calls, *kw, acc_o, acc_l)
-        for kb, vb, calls, _, _ in self.blocks:
+        for kb, vb, calls, *_ in self.blocks:
             forward_calls(self.q, kb, vb, calls, *kw, acc_o, acc_l)
         return acc_o, acc_l
 
@@ -76,8 +82,8 @@ class RankSim:
                       for t in (self.q, self.k, self.v))
         backward_calls(dout, self.q, self.k, self.v, out, lse, dlse, self.self_calls, *kw,
                        dq, dk, dv)
-        for kb, vb, calls, returned, ranges in self.blocks:
-            gk, gv = (GradAccumulator(t.shape, gdt, kb.device) for t in (kb, vb))
+        for kb, vb, calls, returned, ranges, sent_dtype in self.blocks:
+            gk, gv = (GradAccumulator(t.shape, sent_dtype, kb.device) for t in (kb, vb))
             backward_calls(dout, self.q, kb, vb, out, lse, dlse, calls, *kw, dq, gk, gv)
             gk.result(), gv.result()        # what ring_backward sends back to the key owners
             for g, (k0, k1) in zip(returned, ranges):

@@ -180,6 +180,15 @@ def block_plan(cp: int, rank: int, chunk: int, window: Window, steps: Tuple[int,
     return tuple(slots), tuple(calls)
 
 
+def block_exclusive(cp: int, rank: int, chunk: int, window: Window, steps: Tuple[int, ...]) -> bool:
+    """True when every key of rank's block (block_plan) is read by at most one kernel call:
+    each key's dK/dV is then ONE kernel partial, so it can travel in the kernel's own dtype and
+    be widened by its owner, with the same sums as sending a float32 copy. Causal zigzag blocks
+    always are; a window can split one source's keys over several calls."""
+    slots, _ = block_plan(cp, rank, chunk, window, steps)
+    return all(len(plan_step(cp, rank, s.src, chunk, window)) == 1 for s in slots)
+
+
 DEFAULT_BLOCK_KEYS = 16384
 
 

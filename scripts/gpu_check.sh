@@ -20,6 +20,9 @@
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh accum
 #                                      # (call 2): fa4 + CP GPU tests, cp_sim sweep (16384/32768
 #                                      #   block keys), window 4095, profile at cp 8
+#   bash .fa4b/install.sh && bash scripts/gpu_check.sh native
+#                                      # (call 2): CP GPU tests, cp_sim with bf16 dK/dV returns,
+#                                      #   window 4095 with CUDA graphs, profile at cp 8
 # Dry run on CPU (no GPU): GPU_CHECK_DRY=1 bash scripts/gpu_check.sh all
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -127,6 +130,18 @@ if [ "$phase" = accum ]; then                   # after fa4 is installed
   timeout 100 $PY benchmarks/cp_sim.py $bench_args --rep-ms 150 --seqs 32768 131072 --cps 8 \
       --block-keys 32768 --profile --tag accum_profile 2>&1 | grep -v USDT | tail -40 || rc=1
   cp $bench_out/cp_sim_accum*.json $bench_out/cp_sim_accum.png $bench_out/cp_sim_window.* "$OUT/" 2>/dev/null
+fi
+if [ "$phase" = native ]; then                  # after fa4 is installed
+  step "GPU CP tests: 2 and 4 ranks on one GPU (fa4 bf16 dK/dV returns in the ring)"
+  timeout 150 $PY -m pytest tests/test_gpu_cp.py -q -rs -n 3 -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cp.log" | tail -8 || rc=1
+  step "cp_sim: block keys 16384 / 32768, cp 4/8, 32K and 128K (native-dtype dK/dV returns)"
+  timeout 150 $PY benchmarks/cp_sim.py $bench_args --rep-ms 300 --cps 4 8 --block-keys 16384 32768 --tag native 2>&1 | tail -20 || rc=1
+  step "cp_sim: window 4095, cp 8, with CUDA-graph replay (host-bound?)"
+  timeout 120 $PY benchmarks/cp_sim.py $bench_args --rep-ms 150 --cps 8 --block-keys 32768 --window 4095 --graph --tag native_window 2>&1 | tail -8 || rc=1
+  step "cp_sim profile: 32K and 128K, cp 8, 32768 block keys"
+  timeout 100 $PY benchmarks/cp_sim.py $bench_args --rep-ms 150 --seqs 32768 131072 --cps 8 \
+      --block-keys 32768 --profile --tag native_profile 2>&1 | grep -v USDT | tail -36 || rc=1
+  cp $bench_out/cp_sim_native*.json $bench_out/cp_sim_native*.png "$OUT/" 2>/dev/null
 fi
 step "done rc=$rc"
 exit $rc

@@ -15,8 +15,11 @@ as one long kernel call (layout.block_plan); the next block is in flight while o
 Forward merges every partial into ONE float32 accumulator (LSE merge). Backward re-fetches the
 K/V, calls each pair's kernel backward with the final merged out/LSE (exact, kernels.md), keeps
 dQ locally in float32 (GradAccumulator: 16-bit kernel partials widen as they are added) and
-returns each float32 dK/dV partial to the rank that owns the keys, which sums them in step order
-(deterministic). Gradients are cast to the input dtype once.
+returns each block's dK/dV partial to the rank that owns the keys, which sums them in float32 in
+step order (deterministic). A block whose keys are each read by one kernel call
+(layout.block_exclusive: every causal block) returns the kernel's partial in its own dtype (bf16
+from flash-attn): widening at the owner gives the same sum as sending a float32 copy, at half
+the bytes. Other blocks return float32 sums. Gradients are cast to the input dtype once.
 
 Message order: every rank posts kv(block 0), then per block i: kv(i+1), dkv(i). Blocks are the
 same everywhere, so for any pair of ranks the sends of one match the receives of the other in
@@ -29,7 +32,7 @@ import torch.distributed as dist
 
 from ..comm import Exchange
 from ..kernels.base import grad_dtype
-from ..layout import block_keys, block_plan, key_range, plan_step, ring_blocks
+from ..layout import block_exclusive, block_keys, block_plan, key_range, plan_step, ring_blocks
 from ..merge import merge_into, new_accumulator
 from .grad_accum import GradAccumulator
 
@@ -82,6 +85,13 @@ def backward_calls(dout, q, ks, vs, out, lse, dlse, calls, kernel, scale, softca
         dv.add(c.k0, c.k1, gv)
 
 
+def return_dtype(kernel, dtype, cp, rank, chunk, window, steps) -> torch.dtype:
+    """dtype of the dK/dV partials `rank` returns for its block `steps` (both ends compute it)."""
+    if block_exclusive(cp, rank, chunk, window, steps):
+        return kernel.partial_dtype(dtype)
+    return grad_dtype(dtype)
+
+
 def ring_forward(q, k, v, group, kernel, scale, softcap, window):
     """-> (out float32 [B, S, Hq, Dv], lse float32 [B, Hq, S]) for this rank's zigzag queries."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -117,10 +127,11 @@ def ring_backward(dout, q, k, v, out, lse, group, kernel, scale, softcap, window
     for i in range(len(blocks)):
         blk = pending.wait()
         pending = post(i + 1) if i + 1 < len(blocks) else None
-        gk, gv = (GradAccumulator(t.shape, gdt, q.device) for t in (blk.k, blk.v))
+        rdt = lambda r: return_dtype(kernel, q.dtype, cp, r, chunk, window, blocks[i])  # noqa: E731
+        gk, gv = (GradAccumulator(t.shape, rdt(rank), q.device) for t in (blk.k, blk.v))
         backward_calls(dout, q, blk.k, blk.v, out, lse, dlse, blk.calls, *args, dq, gk, gv)
         posted = _GradReturn(group, gk.result(), gv.result(), blk.slots, k, v, cp, rank, chunk,
-                             window, blocks[i])
+                             window, blocks[i], rdt)
         if returning is not None:
             returning.add_into(dk, dv)
         returning = posted
@@ -130,9 +141,10 @@ def ring_backward(dout, q, k, v, out, lse, group, kernel, scale, softcap, window
 
 
 class _GradReturn:
-    """One block's float32 dK/dV partials going back to the key owners, and ours coming back."""
+    """One block's dK/dV partials going back to the key owners, and ours coming back (in the
+    dtype rdt(sender) of each sender's block)."""
 
-    def __init__(self, group, gk, gv, slots, k, v, cp, rank, chunk, window, steps):
+    def __init__(self, group, gk, gv, slots, k, v, cp, rank, chunk, window, steps, rdt):
         self.exchange = Exchange(group, "ring.bwd.dkv")
         for slot in slots:
             end = slot.off + slot.k1 - slot.k0
@@ -144,8 +156,8 @@ class _GradReturn:
             kr = key_range(cp, dst, rank, chunk, window)
             if kr is not None:
                 n = kr[1] - kr[0]
-                rk = gk.new_empty((b, n) + tuple(k.shape[2:]))
-                rv = gv.new_empty((b, n) + tuple(v.shape[2:]))
+                rk = gk.new_empty((b, n) + tuple(k.shape[2:]), dtype=rdt(dst))
+                rv = gv.new_empty((b, n) + tuple(v.shape[2:]), dtype=rdt(dst))
                 self.exchange.recv(rk, dst).recv(rv, dst)
                 self.received.append((kr, rk, rv))
         self.exchange.start()

@@ -93,6 +93,10 @@ class Kernel:
         return self.backward(dout, q, k, v, out, lse, scale=scale, softcap=softcap,
                              window=window, dlse=dlse)
 
+    def partial_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """dtype of backward_any_dtype's gradients for inputs of `dtype`."""
+        return grad_dtype(dtype)
+
     def prepare_backward(self, dout: torch.Tensor, out: torch.Tensor,
                          dlse: Optional[torch.Tensor], dtype: torch.dtype):
         """Once per backward, for callers that run many chunk-pair backwards on the same rows
@@ -114,6 +118,9 @@ class NativeGradKernel(Kernel):
 
     def backward_any_dtype(self, *args, **kwargs):
         return self.backward_native(*args, **kwargs)
+
+    def partial_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype
 
 
 def grad_dtype(dtype: torch.dtype) -> torch.dtype:
