@@ -13,12 +13,14 @@ table shows the busiest rank (largest fwd+bwd) and the mean over ranks, next to 
 checks every op of every rank, fwd and bwd, against `cp_softcap.cp.auto.sent_per_rank`.
 
 STAND-IN KERNEL. Real softcapped attention at these shapes takes hours on 2 CPU cores, and the
-bytes a CP scheme sends do not depend on tensor values or on which kernel computes the chunk
-pairs (only on shapes, dtypes, window and cp). So inside this benchmark only, the selector's
-result is replaced by a shape-correct stand-in that follows kernels/base.py: forward returns
+bytes a CP scheme sends do not depend on tensor values; of the kernel they depend only on the
+dtype of its dK/dV partials (kernel.partial_dtype: the ring returns an exclusive block's dK/dV
+in it, bf16 from the flash-attn family). So inside this benchmark only, the selector's result is
+replaced by a shape-correct stand-in that follows kernels/base.py: forward returns
 out [B, Sq, Hq, Dv] in the input dtype and a contiguous float32 LSE [B, Hq, Sq] of zeros;
 backward returns float32 zero gradients of q/k/v's shapes (out and grads are broadcast zero
-views, to save memory). The output says so, and the JSON records it.
+views, to save memory), so its partials are float32 like the torch kernel's and the model gets
+partial_bytes=4 (the stand-in's partial_dtype). The output says so, and the JSON records it.
 
 HEAD-DIM SCALING. With 8 ranks in 23 GB, all_gather at 128K with D = 256 does not fit (each rank
 materialises the gathered K/V and float32 dK/dV for all 128K tokens). Every message is linear in
@@ -51,8 +53,9 @@ COMMS = (("ring", "ring", None), ("all_gather", "all_gather", None), ("a2a", "a2
          ("a2a+p2p a2a=2 ring=4", "a2a+p2p", 2), ("a2a+p2p a2a=4 ring=2", "a2a+p2p", 4))
 STANDIN_NOTE = ("kernel was a shape-correct STAND-IN (zeros out/LSE/grads, kernels/base.py contract), "
                 "not real attention: real softcapped attention at these shapes is far too slow on "
-                "2 CPU cores, and bytes sent depend only on shapes/dtypes/window/cp, not on values "
-                "or on the kernel")
+                "2 CPU cores, and bytes sent depend only on shapes/dtypes/window/cp and the kernel's "
+                "dK/dV partial dtype (float32 here, as the torch kernel; a flash-attn kernel returns "
+                "exclusive ring blocks' dK/dV in bf16), not on values")
 
 
 # --------------------------------------------------------------------------- stand-in kernel
@@ -161,11 +164,18 @@ def _spec(cp, hq=HQ, hkv=HKV, window=None, comm="ring"):
                      scale=D_REAL ** -0.5, cp_size=cp, comm=comm)
 
 
+def partial_bytes():
+    """The stand-in's dK/dV partial element bytes (kernel.partial_dtype, bf16 inputs): what
+    dispatch gives the model for the selected kernel. 4: float32, as the torch kernel."""
+    return _make_standin().partial_dtype(torch.bfloat16).itemsize
+
+
 def model_total(comm, a2a, s, window):
     """(bytes, how): the busiest rank's fwd+bwd total from cp_softcap.cp.auto.bytes_per_rank
     (a2a+p2p through its a2a_size= entry)."""
     from cp_softcap.cp.auto import bytes_per_rank
-    costs = bytes_per_rank(_spec(CP, window=window, comm=comm), s, a2a_size=a2a)
+    costs = bytes_per_rank(_spec(CP, window=window, comm=comm), s, a2a_size=a2a,
+                           partial_bytes=partial_bytes())
     return costs.get(comm), "bytes_per_rank" + (f"(a2a_size={a2a})['a2a+p2p']" if a2a else f"[{comm!r}]")
 
 
@@ -173,7 +183,8 @@ def model_ops(comm, a2a, s, window):
     """Every rank's modelled bytes per op (cp_softcap.cp.auto.sent_per_rank), as
     {"fwd": {op: bytes}, "bwd": {...}} per rank, split by the op names' .fwd./.bwd."""
     from cp_softcap.cp.auto import sent_per_rank
-    per = sent_per_rank(_spec(CP, window=window, comm=comm), s, comm, a2a_size=a2a)
+    per = sent_per_rank(_spec(CP, window=window, comm=comm), s, comm, a2a_size=a2a,
+                        partial_bytes=partial_bytes())
     return [{ph: {op: b for op, b in ops.items() if f".{ph}." in op} for ph in ("fwd", "bwd")}
             for ops in per]
 
@@ -333,11 +344,13 @@ def main():
             "shapes": {"B": 1, "Hq": HQ, "Hkv": HKV, "D": D_REAL, "dtype": "bfloat16", "softcap": SOFTCAP,
                        "cp": CP, "S": list(seqs)},
             "kernel": "STAND-IN", "kernel_note": STANDIN_NOTE, "selector_patched_in": patched,
+            "kernel_partial_bytes": partial_bytes(),
             "scaling": (f"S={s_big} measured at D={d_small}, bytes x{f}; exactness verified at S={s_small} "
                         f"(D={D_REAL} vs D={d_small}, every op of every rank)"),
             "busiest": "rank with the largest fwd+bwd total; ops_max_over_ranks is per op",
             "analytical": ("cp_softcap.cp.auto.bytes_per_rank (busiest rank's total; a2a+p2p via a2a_size=) "
-                           "and sent_per_rank (every op of every rank, checked exactly)"),
+                           "and sent_per_rank (every op of every rank, checked exactly), with "
+                           "partial_bytes= the stand-in's partial dtype bytes"),
             "quick": a.quick, "wall_s": wall, "code_version": _code_version(),
             "CP_SOFTCAP_RING_BLOCK_KEYS": os.environ.get("CP_SOFTCAP_RING_BLOCK_KEYS", "(unset: default)")}
     path = save("comm_bytes" + ("_quick" if a.quick else ""), records, meta, a.out_dir)
@@ -348,7 +361,7 @@ def main():
                            "measured mean": [r["mean_total_MiB"] for r in records],
                            "analytical (bytes_per_rank)": [r["analytical_total_MiB"] or float("nan") for r in records]},
              "MiB sent per rank per layer",
-             "Gemma2-9B attention, cp=8, fwd+bwd (stand-in kernel; bytes are kernel-independent)")
+             "Gemma2-9B attention, cp=8, fwd+bwd (stand-in kernel, float32 dK/dV partials)")
     print(f"\nwrote {path} and {png}")
 
 

@@ -56,7 +56,8 @@ def main(argv=None) -> int:
     if a.cp > 1 and a.seq_len:
         from .cp.auto import describe_comm_choice
         try:
-            print(describe_comm_choice(spec, a.seq_len, a2a_size=a.a2a_size))
+            print(describe_comm_choice(spec, a.seq_len, a2a_size=a.a2a_size,
+                                       partial_bytes=sel.kernel.partial_dtype(spec.dtype).itemsize))
         except (ValueError, ZeroDivisionError) as e:
             print(f"error: cannot model comm for --seq-len {a.seq_len}: {e}", file=sys.stderr)
             return 2

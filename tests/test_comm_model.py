@@ -1,12 +1,13 @@
 """The bytes-per-rank model behind comm="auto" (cp/auto.py): closed forms for the ring under
 causal zigzag, the windowed ring, all_gather, a2a and a2a+p2p, the busiest-rank total, the
-choice, and the select CLI. tests_dist/test_comm_model_dist.py checks the model against
+choice, the select CLI, and ring dK/dV returned in the kernel's 16-bit partial dtype
+(partial_bytes=) for exclusive blocks. tests_dist/test_comm_model_dist.py checks the model against
 comm.counting() on real gloo ranks; benchmarks/comm_bytes.py at Gemma2-9B shapes."""
 import pytest
 import torch
 
 from cp_softcap.cp.auto import bytes_per_rank, choose_comm, describe_comm_choice, sent_per_rank
-from cp_softcap.layout import key_range
+from cp_softcap.layout import block_exclusive, key_range, ring_blocks
 from cp_softcap.spec import make_spec
 
 MiB = 2 ** 20
@@ -144,3 +145,122 @@ def test_select_cli_seq_len(capsys):
     assert "ring               255.9 MiB CHOSEN" in out and "a2a+p2p/2          640.0 MiB" in out
     assert main(args[:-1] + ["1000"]) == 2
     assert "multiple of 2*cp" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- native (16-bit) dK/dV partials
+
+ALL_COMMS = ("ring", "all_gather", "a2a")
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+@pytest.mark.parametrize("block_keys", [0, 1, 16384, None])
+@pytest.mark.parametrize("causal", [True, False])
+def test_native_partials_halve_exclusive_dkv(cp, block_keys, causal):
+    """bf16 partials (flash-attn family): causal zigzag blocks (and unmasked ones) are always
+    exclusive, so every rank's ring.bwd.dkv is exactly half the float32 model; nothing else
+    changes, and all_gather / a2a do not depend on the partials at all."""
+    sp, s = spec_of(cp, causal=causal), 2 * cp * 64
+    c = s // cp // 2
+    assert all(block_exclusive(cp, r, c, sp.window, steps)
+               for r in range(cp) for steps in ring_blocks(cp, 2 * c, block_keys or 0))
+    for comm in ALL_COMMS:
+        base = sent_per_rank(sp, s, comm, batch=3)
+        native = sent_per_rank(sp, s, comm, batch=3, partial_bytes=2, block_keys=block_keys)
+        if comm != "ring":
+            assert native == base
+            continue
+        for b, n in zip(base, native):
+            assert n["ring.bwd.dkv"] * 2 == b["ring.bwd.dkv"] > 0
+            assert {k: v for k, v in n.items() if k != "ring.bwd.dkv"} == \
+                {k: v for k, v in b.items() if k != "ring.bwd.dkv"}
+    if cp > 2:   # a2a+p2p: the outer ring's dkv halves too, the inner a2a is unchanged
+        base = sent_per_rank(sp, s, "a2a+p2p", a2a_size=2)
+        native = sent_per_rank(sp, s, "a2a+p2p", a2a_size=2, partial_bytes=2, block_keys=block_keys)
+        for b, n in zip(base, native):
+            assert n["ring.bwd.dkv"] * 2 == b["ring.bwd.dkv"] > 0
+            assert {k: v for k, v in n.items() if k != "ring.bwd.dkv"} == \
+                {k: v for k, v in b.items() if k != "ring.bwd.dkv"}
+
+
+def test_gemma2_9b_with_native_partials():
+    """cp 8, bf16: causal ring 672 -> 560 MiB (dkv 224 -> 112 on every rank); all_gather and a2a
+    unchanged. a2a+p2p/4 at 128K (outer ring of 2): the outer rank 0 sends K/V 64+64 and dkv
+    256 -> 128, rank 1 K/V 128+128 and dkv 128 -> 64 MiB, so the busiest total (a2a 768 +
+    ring) goes 1152 -> 1088, now on rank 1."""
+    got = bytes_per_rank(spec_of(8), 32768, a2a_size=2, partial_bytes=2)
+    assert {k: v / MiB for k, v in got.items()} == {"ring": 560, "all_gather": 896, "a2a": 224,
+                                                    "a2a+p2p": 368}
+    got = bytes_per_rank(spec_of(8), 131072, a2a_size=4, partial_bytes=2)
+    assert {k: v / MiB for k, v in got.items()} == {"ring": 2240, "all_gather": 3584, "a2a": 896,
+                                                    "a2a+p2p": 1088}
+
+
+# cp 4, chunk 8, window (11, 0): rank 2's keys of rank 3 (step 3) and rank 3's keys of rank 2
+# (step 1) span two kernel calls each (not exclusive). Keys received per source:
+#   rank 0: src1 8, src2 3 | rank 1: src0 8, src2 8, src3 3 | rank 2: src0 3, src1 8, src3 11*
+#   rank 3: src1 3, src2 8*                                   (* = non-exclusive source)
+W_CP, W_C, W_WIN = 4, 8, (11, 0)
+W_KV = 2 * (8 + 8)                  # hkv 2, D = Dv = 8, batch 1: bytes per key per element byte
+
+
+@pytest.mark.parametrize("block_keys,dkv_elems", [
+    # one step per block: only the non-exclusive slot stays float32 (4 B), the rest 2 B
+    (0, [11 * 2, 19 * 2, 11 * 2 + 11 * 4, 3 * 2 + 8 * 4]),
+    # one block of all steps (16 local tokens): ranks 2 and 3's whole block stays float32
+    (16384, [11 * 2, 19 * 2, 22 * 4, 11 * 4]),
+])
+def test_window_non_exclusive_block_keeps_float32(block_keys, dkv_elems):
+    sp = spec_of(W_CP, window=W_WIN, hkv=2, d=8)
+    s = 2 * W_CP * W_C
+    assert [len(ring_blocks(W_CP, 2 * W_C, block_keys))] == [3 if block_keys == 0 else 1]
+    native = sent_per_rank(sp, s, "ring", partial_bytes=2, block_keys=block_keys)
+    assert [ops["ring.bwd.dkv"] for ops in native] == [n * W_KV for n in dkv_elems]
+    base = sent_per_rank(sp, s, "ring")
+    assert [ops["ring.bwd.dkv"] for ops in base] == [n * 4 * W_KV for n in (11, 19, 22, 11)]
+    for b, n in zip(base, native):
+        assert b["ring.fwd.kv"] == n["ring.fwd.kv"] and b["ring.bwd.kv"] == n["ring.bwd.kv"]
+
+
+def test_block_keys_default_is_the_environment(monkeypatch):
+    """block_keys=None reads CP_SOFTCAP_RING_BLOCK_KEYS as the ring does (layout.block_keys())."""
+    sp, s = spec_of(W_CP, window=W_WIN, hkv=2, d=8), 2 * W_CP * W_C
+    for env in ("0", "16384"):
+        monkeypatch.setenv("CP_SOFTCAP_RING_BLOCK_KEYS", env)
+        assert sent_per_rank(sp, s, "ring", partial_bytes=2) == \
+            sent_per_rank(sp, s, "ring", partial_bytes=2, block_keys=int(env))
+    monkeypatch.delenv("CP_SOFTCAP_RING_BLOCK_KEYS")
+    assert sent_per_rank(sp, s, "ring", partial_bytes=2) == \
+        sent_per_rank(sp, s, "ring", partial_bytes=2, block_keys=16384)
+
+
+@pytest.mark.parametrize("dtype,g", [(torch.bfloat16, 4), (torch.float32, 4), (torch.float64, 8)])
+@pytest.mark.parametrize("window", [None, (4095, 0), (11, 0), (9, 4)])
+def test_float32_partials_keep_todays_model(dtype, g, window, monkeypatch):
+    """partial_bytes None or equal to the gradient bytes (the torch kernel) is today's model, for
+    any block size, and then the block size is not even read."""
+    monkeypatch.setenv("CP_SOFTCAP_RING_BLOCK_KEYS", "not a number")
+    for cp, s in ((4, 2 * 4 * 8), (8, 32768)):
+        sp = spec_of(cp, window=window, dtype=dtype, causal=window != (9, 4))
+        for comm in ALL_COMMS:
+            base = sent_per_rank(sp, s, comm)
+            for bk in (None, 0, 16384):
+                assert sent_per_rank(sp, s, comm, partial_bytes=g, block_keys=bk) == base
+        assert bytes_per_rank(sp, s, a2a_size=2, partial_bytes=g) == bytes_per_rank(sp, s, a2a_size=2)
+        assert choose_comm(sp, s, partial_bytes=g) == choose_comm(sp, s)
+
+
+def test_choose_comm_with_native_partials():
+    """Gemma2-9B window (4095, 0) at 32K, cp 8: float32 dK/dV, a2a wins (224 vs 255.9 MiB); with
+    bf16 partials the ring sends 192.0 MiB and wins."""
+    sp = spec_of(8, window=(4095, 0))
+    assert choose_comm(sp, 32768) == "a2a"
+    assert choose_comm(sp, 32768, partial_bytes=2) == "ring"
+    assert bytes_per_rank(sp, 32768, partial_bytes=2)["ring"] / MiB == pytest.approx(191.96, abs=0.01)
+    text = describe_comm_choice(sp, 32768, partial_bytes=2, block_keys=0)
+    assert "partials of 2 B" in text.splitlines()[0]
+    chosen = [line for line in text.splitlines() if "CHOSEN" in line]
+    assert len(chosen) == 1 and chosen[0].split()[:2] == ["ring", "192.0"]
+    assert "partials" not in describe_comm_choice(sp, 32768, partial_bytes=4)
+    for bad in (0, -2, 2.0, True):
+        with pytest.raises(ValueError, match="partial_bytes"):
+            bytes_per_rank(sp, 32768, partial_bytes=bad)

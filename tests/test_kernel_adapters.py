@@ -288,3 +288,11 @@ def test_fa4_softcap_kwargs():
     assert bwd["score_mod_bwd"] == ("bwd", 50.0) and bwd["softcap"] == 0.0
     with pytest.raises(ValueError, match="softcap_impl"):
         FA4Kernel(softcap_impl="fast")
+
+
+def test_native_grad_kernel_without_backward_native_says_so():
+    from cp_softcap.kernels.base import NativeGradKernel
+    x = torch.randn(1, 4, 2, 8)
+    with pytest.raises(NotImplementedError, match="must implement backward_native"):
+        NativeGradKernel().backward(x, x, x, x, x, torch.zeros(1, 2, 4), scale=1.0, softcap=None,
+                                    window=(None, None))

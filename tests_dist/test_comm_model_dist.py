@@ -1,7 +1,9 @@
 """cp/auto.py's byte model == what the comm layer counts (comm.counting()) on real gloo ranks:
 every op of every rank, forward and backward, for ring (causal, windows narrower than / crossing
 a chunk, two-sided, no mask; one step per block and default blocks), all_gather, a2a (with KV
-heads replicated) and a2a+p2p. Tiny shapes, the real kernels."""
+heads replicated) and a2a+p2p. Tiny shapes, the real kernels. NATIVE_CASES run the same with a
+NativeGradKernel stand-in (bf16 dK/dV partials, as the flash-attn family returns them): the
+ring returns exclusive blocks' dK/dV in bf16, modelled with partial_bytes=2."""
 import pytest
 import torch
 
@@ -23,37 +25,84 @@ CASES = [
 ]
 
 
-def _worker(rank, world):
+NATIVE_CASES = [
+    # at cp 4, chunk 8, window (C + 3, 0) ranks 2 and 3 have a non-exclusive source (float32
+    # dK/dV for that block), (C + 1, C // 2) makes most sources non-exclusive; float32 inputs
+    # give float32 partials even from a NativeGradKernel
+    ("ring", None, True, None, 4, 2, torch.bfloat16),
+    ("ring", None, True, (C + 3, 0), 4, 2, torch.bfloat16),
+    ("ring", None, False, (C + 1, C // 2), 4, 2, torch.bfloat16),
+    ("ring", None, False, None, 4, 1, torch.bfloat16),
+    ("ring", None, True, None, 4, 2, torch.float32),
+    ("all_gather", None, True, (C + 3, 0), 4, 2, torch.bfloat16),
+    ("a2a", None, True, None, 8, 2, torch.bfloat16),
+    ("a2a+p2p", 2, True, None, 4, 2, torch.bfloat16),
+    ("a2a+p2p", 2, True, (C + 3, 0), 4, 1, torch.bfloat16),
+]
+
+
+def _native_kernel():
+    """The torch kernel's math with its gradients rounded to the input dtype, as a
+    NativeGradKernel (the flash-attn family's partial dtype) - as in test_native_grad_cp.py."""
+    from cp_softcap.kernels.base import NativeGradKernel
+    from cp_softcap.kernels.torch_kernel import TorchKernel
+
+    class NativeTorch(NativeGradKernel, TorchKernel):
+        calls = 0
+
+        def backward_native(self, dout, q, k, v, out, lse, **kw):
+            type(self).calls += 1
+            grads = TorchKernel.backward(self, dout, q, k, v, out, lse, **kw)
+            return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+    return NativeTorch()
+
+
+def _worker(rank, world, cases, native):
     import torch.distributed as dist
     import cp_softcap as cps
     from cp_softcap.comm import counting
+    backend = "auto"
+    if native:
+        # backend="torch" resolves through get_kernel's cache: this spawned process gets the
+        # stand-in there (no way to pass a kernel instance to cp_attention)
+        from cp_softcap import kernels
+        kernels._CACHE["torch"] = kernel = _native_kernel()
+        backend = "torch"
     hybrid = cps.make_hybrid_groups(None, 2)
     out = []
-    for i, (comm, a2a, causal, window, hq, hkv, dtype) in enumerate(CASES):
+    for i, (comm, a2a, causal, window, hq, hkv, dtype) in enumerate(cases):
         g = torch.Generator().manual_seed(100 * i + rank)
         n = 2 * C
         q, k, v = (torch.randn(2, n, h, 8, generator=g).to(dtype).requires_grad_() for h in (hq, hkv, hkv))
         with counting() as fwd:
             o = cps.cp_attention(q, k, v, hybrid if comm == "a2a+p2p" else dist.group.WORLD,
-                                 softcap=5.0, causal=causal, window=window, comm=comm)
+                                 softcap=5.0, causal=causal, window=window, comm=comm, backend=backend)
         with counting() as bwd:
             o.backward(torch.randn(o.shape, generator=g).to(o.dtype))
         out.append({"fwd": dict(fwd.sent), "bwd": dict(bwd.sent)})
+    if native:
+        assert type(kernel).calls > 0, "the NativeGradKernel stand-in was not used"
     return out
 
 
 @pytest.mark.parametrize("block_keys", ["0", "16384"])
-def test_model_equals_counted_bytes(block_keys):
+@pytest.mark.parametrize("native", [False, True], ids=["float32_partials", "native_partials"])
+def test_model_equals_counted_bytes(block_keys, native):
     from cp_softcap.cp.auto import bytes_per_rank, sent_per_rank
     from cp_softcap.spec import make_spec
-    measured = run_ranks(_worker, CP, env={"CP_SOFTCAP_RING_BLOCK_KEYS": block_keys})
-    for i, (comm, a2a, causal, window, hq, hkv, dtype) in enumerate(CASES):
+    cases = NATIVE_CASES if native else CASES
+    measured = run_ranks(_worker, CP, cases, native, env={"CP_SOFTCAP_RING_BLOCK_KEYS": block_keys})
+    for i, (comm, a2a, causal, window, hq, hkv, dtype) in enumerate(cases):
         spec = make_spec(head_dim=8, num_heads=hq, num_kv_heads=hkv, dtype=dtype, device_type="cpu",
                          softcap=5.0, causal=causal, window=window, cp_size=CP, comm=comm)
-        model = sent_per_rank(spec, 2 * CP * C, comm, batch=2, a2a_size=a2a)
+        # what dispatch passes to choose_comm: None = gradient bytes (the torch kernel)
+        kw = dict(partial_bytes=_native_kernel().partial_dtype(dtype).itemsize if native else None,
+                  block_keys=int(block_keys))
+        model = sent_per_rank(spec, 2 * CP * C, comm, batch=2, a2a_size=a2a, **kw)
         for r in range(CP):
             got = measured[r][i]
             want = {ph: {op: b for op, b in model[r].items() if f".{ph}." in op} for ph in ("fwd", "bwd")}
-            assert got == want, f"{CASES[i]} rank {r}: counted {got} != model {want}"
+            assert got == want, f"{cases[i]} rank {r}: counted {got} != model {want}"
         busiest = max(sum(m[i]["fwd"].values()) + sum(m[i]["bwd"].values()) for m in measured)
-        assert bytes_per_rank(spec, 2 * CP * C, batch=2, a2a_size=a2a)[comm] == busiest
+        assert bytes_per_rank(spec, 2 * CP * C, batch=2, a2a_size=a2a, **kw)[comm] == busiest

@@ -210,6 +210,27 @@ def test_mismatched_calls_fail_on_every_rank_with_the_values():
             assert elapsed < TIMEOUT_S, f"{name}: rank {rank} needed {elapsed:.1f}s"
 
 
+def _kernel_mismatch_worker(rank, world):
+    """Same call on both ranks, but rank 0 forces the torch kernel through the environment (as a
+    node without an optional package would fall back): the selected kernels differ."""
+    import cp_softcap as cps
+    if rank == 0:
+        os.environ["CP_SOFTCAP_BACKEND"] = "torch"
+    return _timed(lambda: cps.cp_attention(*_qkv(**BASE, seed=rank), _world(), softcap=None))
+
+
+@pytest.mark.timeout(60)
+def test_ranks_selecting_different_kernels_fail_with_both_names():
+    """The kernel's gradient dtype sizes the ring's dK/dV messages and steers comm='auto', so a
+    kernel mismatch must be an error on every rank, not a hang or a silent mix."""
+    out = spawn(_kernel_mismatch_worker, 2)
+    for rank in (0, 1):
+        status, (elapsed, msg) = out[rank]
+        assert status == "ok" and msg is not None, out[rank]
+        assert "selected kernel differs (rank 0: torch, rank 1: sdpa)" in msg, msg
+        assert elapsed < TIMEOUT_S, f"rank {rank} needed {elapsed:.1f}s"
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", [MISMATCHES[0], MISMATCHES[4]], ids=["seq_len", "softcap"])
 def test_mismatch_after_identical_calls_times_out_with_a_message(case):

@@ -99,6 +99,8 @@ class AllGatherAttention(torch.autograd.Function):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         chunk = q.shape[1] // 2
         kv = _Gathered(k, v, group, "all_gather.bwd.kv")
+        # once per backward, not per call (e.g. fa4 casts the float32 O and corrects D here)
+        dout, out, dlse = kernel.prepare_backward(dout, out, None, q.dtype)
         gdt = grad_dtype(q.dtype)
         total = 2 * cp * chunk
         dq = GradAccumulator(q.shape, gdt, q.device)
@@ -112,7 +114,8 @@ class AllGatherAttention(torch.autograd.Function):
             rows = slice(row + q0, row + q1)
             gq, gk, gv = kernel.backward_any_dtype(dout[:, rows], q[:, rows], ks, vs,
                                                    out[:, rows], lse[:, :, rows], scale=scale,
-                                                   softcap=softcap, window=w)
+                                                   softcap=softcap, window=w,
+                                                   dlse=None if dlse is None else dlse[:, :, rows])
             dq.add(rows.start, rows.stop, gq)
             dk_full.add(k0, k1, gk)
             dv_full.add(k0, k1, gv)

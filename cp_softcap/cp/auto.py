@@ -9,14 +9,23 @@ describe_comm_choice model it when given a2a_size=, but auto never picks it.
 Model: the bytes each rank SENDS, per op name exactly as comm.counting() records them (point-to-
 point messages as sent, collectives at their algorithmic volume, (ranks - 1) pieces per rank).
 n = S/cp local tokens (two zigzag chunks of c = n/2), B batch, e = input element bytes,
-g = gradient bytes (float32; float64 for float64 inputs), kv = B * Hkv * (D + Dv) per token.
-  ring (cp/ring.py; send_keys(r) = sum over receivers q != r of |key_range(cp, q, r, c, window)|,
-        recv_keys(r) = sum over sources s != r of |key_range(cp, r, s, c, window)|):
+g = gradient bytes (float32; float64 for float64 inputs), kv = B * Hkv * (D + Dv) per token,
+p = the kernel's dK/dV partial bytes (partial_bytes=: kernel.partial_dtype(dtype).itemsize, e for
+the flash-attn family (NativeGradKernel), g for the torch kernel; default g).
+  ring (cp/ring.py; send_keys(r) = sum over receivers q != r of |key_range(cp, q, r, c, window)|;
+        blocks = layout.ring_blocks(cp, n, block_keys), block_keys= defaulting to
+        layout.block_keys() (env CP_SOFTCAP_RING_BLOCK_KEYS)):
       ring.fwd.kv   send_keys(r) * kv * e      K/V of the keys each receiver's queries see
       ring.bwd.kv   send_keys(r) * kv * e      backward re-sends the same K/V (nothing S-sized kept)
-      ring.bwd.dkv  recv_keys(r) * kv * g      float32 dK/dV of the keys it received, back to owner
+      ring.bwd.dkv  sum over blocks of keys(r, block) * kv * (p if layout.block_exclusive(cp, r,
+                    c, window, block) else g): dK/dV of the keys it received (the slots of
+                    layout.block_plan), back to their owners; an exclusive block's keys are each
+                    one kernel partial, sent in the kernel's dtype and widened by the owner.
       Causal: an earlier rank's second chunk is never visible, so sends to later ranks are c keys,
-      not 2c; every rank's total is the same. Window (L, 0): about L keys per visible source.
+      not 2c; every rank's total is the same when 2e == g (bf16 inputs, float32 dK/dV; with bf16
+      partials later ranks send more). Window (L, 0): about L keys per visible source.
+      Causal zigzag blocks are always exclusive; a window can make a source's keys span several
+      kernel calls, and then that rank's whole block returns float32.
   all_gather (cp/all_gather.py): fwd (cp-1) * n * kv * e (two half-shard gathers); bwd the same
       re-gather + (cp-1) * n * kv * g (float32 reduce-scatter of dK/dV). Window-independent.
   a2a (cp/a2a.py, ulysses.py; needs Hq % cp == 0; h = Hq/cp, hk = KV heads per rank with
@@ -25,7 +34,8 @@ g = gradient bytes (float32; float64 for float64 inputs), kv = B * Hkv * (D + Dv
       dk (hk*D*g), dv (hk*Dv*g).
   a2a+p2p with a2a_size a (cp/a2a.py with an outer group; CP rank = ring_rank * a + a2a_rank):
       the a2a terms above on the inner group (cp -> a, same n), plus the ring terms of the outer
-      ring: cp/a ranks, chunk a*c, Hq/a query and hk KV heads per rank; busiest rank total.
+      ring: cp/a ranks, chunk a*c (blocks of ring_blocks(cp/a, a*n, block_keys)), Hq/a query and
+      hk KV heads per rank; busiest rank total.
 bytes_per_rank is the busiest rank's TOTAL (max over ranks of fwd + bwd), not per-op maxima.
 sent_per_rank gives every rank's per-op bytes; benchmarks/comm_bytes.py checks both against
 comm.counting() at Gemma2-9B shapes.
@@ -34,7 +44,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from ..layout import key_range
+from ..layout import block_exclusive, block_plan, key_range, ring_blocks
+from ..layout import block_keys as _env_block_keys
 from ..spec import AttnSpec, Window
 from .ulysses import kv_head_index
 
@@ -58,14 +69,36 @@ def _keys(kr) -> int:
     return 0 if kr is None else kr[1] - kr[0]
 
 
-def _ring(cp: int, chunk: int, window: Window, kv_e: int, kv_g: int) -> List[Dict[str, int]]:
-    """Per ring rank: bytes sent per op. kv_e / kv_g: bytes of one key's K+V in the input /
-    gradient dtype (all heads, whole batch)."""
+def _partial_bytes(partial_bytes: Optional[int], g: int) -> int:
+    if partial_bytes is None:
+        return g
+    if isinstance(partial_bytes, bool) or not isinstance(partial_bytes, int) or partial_bytes <= 0:
+        raise ValueError(f"partial_bytes must be a positive int (the kernel's dK/dV partial element "
+                         f"bytes, kernel.partial_dtype(dtype).itemsize), got {partial_bytes!r}")
+    return partial_bytes
+
+
+def _ring(cp: int, chunk: int, window: Window, kv_e: int, kv_g: int, kv_p: int,
+          block_keys: Optional[int]) -> List[Dict[str, int]]:
+    """Per ring rank: bytes sent per op. kv_e / kv_g / kv_p: bytes of one key's K+V in the input
+    / gradient / kernel partial dtype (all heads, whole batch). block_keys: as ring.py's
+    layout.block_keys() (None: read it from the environment, as ring.py does)."""
+    blocks = None
+    if kv_p != kv_g:      # otherwise every block returns gradient bytes: blocks do not matter
+        keys = _env_block_keys() if block_keys is None else block_keys
+        blocks = ring_blocks(cp, 2 * chunk, keys)
     out = []
     for r in range(cp):
         send = sum(_keys(key_range(cp, q, r, chunk, window)) for q in range(cp) if q != r)
-        recv = sum(_keys(key_range(cp, r, s, chunk, window)) for s in range(cp) if s != r)
-        ops = {"ring.fwd.kv": send * kv_e, "ring.bwd.kv": send * kv_e, "ring.bwd.dkv": recv * kv_g}
+        if blocks is None:
+            dkv = sum(_keys(key_range(cp, r, s, chunk, window)) for s in range(cp) if s != r) * kv_g
+        else:
+            dkv = 0
+            for steps in blocks:
+                slots, _ = block_plan(cp, r, chunk, window, steps)
+                per_key = kv_p if block_exclusive(cp, r, chunk, window, steps) else kv_g
+                dkv += sum(s.k1 - s.k0 for s in slots) * per_key
+        ops = {"ring.fwd.kv": send * kv_e, "ring.bwd.kv": send * kv_e, "ring.bwd.dkv": dkv}
         out.append({k: v for k, v in ops.items() if v})
     return out
 
@@ -84,16 +117,26 @@ def _a2a(spec: AttnSpec, ranks: int, n: int, batch: int) -> Dict[str, int]:
 
 
 def sent_per_rank(spec: AttnSpec, seq_len: int, comm: str, batch: int = 1,
-                  a2a_size: Optional[int] = None) -> Optional[List[Dict[str, int]]]:
+                  a2a_size: Optional[int] = None, *, partial_bytes: Optional[int] = None,
+                  block_keys: Optional[int] = None) -> Optional[List[Dict[str, int]]]:
     """Modelled bytes each CP rank sends in one layer's forward + backward, per op name (the
     names comm.counting() records). None where the scheme cannot run these heads (a2a needs
-    Hq % group size == 0). comm="a2a+p2p" needs a2a_size (dividing cp)."""
+    Hq % group size == 0). comm="a2a+p2p" needs a2a_size (dividing cp).
+
+    partial_bytes: element bytes of the kernel's dK/dV partials,
+    kernel.partial_dtype(spec.dtype).itemsize (2 for bf16/fp16 inputs on the flash-attn family);
+    None = gradient bytes (float32, float64 for float64), as for the torch kernel. It changes
+    only ring.bwd.dkv (ring and a2a+p2p's outer ring), for blocks where layout.block_exclusive.
+    block_keys: the ring's block size in keys (CP_SOFTCAP_RING_BLOCK_KEYS); None = read it from
+    the environment as the ring does (layout.block_keys()). Used only when partial_bytes differs
+    from the gradient bytes."""
     cp = spec.cp_size
     n = _local_len(spec, seq_len)
     e, g = _sizes(spec)
+    p = _partial_bytes(partial_bytes, g)
     kv = batch * spec.num_kv_heads * (spec.head_dim + spec.head_dim_v)
     if comm == "ring":
-        return _ring(cp, n // 2, spec.window, kv * e, kv * g)
+        return _ring(cp, n // 2, spec.window, kv * e, kv * g, kv * p, block_keys)
     if comm == "all_gather":
         ops = {"all_gather.fwd.kv": (cp - 1) * n * kv * e, "all_gather.bwd.kv": (cp - 1) * n * kv * e,
                "all_gather.bwd.dkv": (cp - 1) * n * kv * g}
@@ -111,35 +154,47 @@ def sent_per_rank(spec: AttnSpec, seq_len: int, comm: str, batch: int = 1,
         inner = {k: v for k, v in _a2a(spec, a2a_size, n, batch).items() if v}
         hk = len(kv_head_index(spec.num_heads, spec.num_kv_heads, a2a_size)[0])
         kv_outer = batch * hk * (spec.head_dim + spec.head_dim_v)
-        outer = _ring(cp // a2a_size, a2a_size * n // 2, spec.window, kv_outer * e, kv_outer * g)
+        outer = _ring(cp // a2a_size, a2a_size * n // 2, spec.window, kv_outer * e, kv_outer * g,
+                      kv_outer * p, block_keys)
         return [{**inner, **outer[r // a2a_size]} for r in range(cp)]
     raise ValueError(f"no byte model for comm={comm!r}; one of {SINGLE_GROUP + ('a2a+p2p',)}")
 
 
 def bytes_per_rank(spec: AttnSpec, seq_len: int, batch: int = 1,
-                   a2a_size: Optional[int] = None) -> Dict[str, int]:
+                   a2a_size: Optional[int] = None, *, partial_bytes: Optional[int] = None,
+                   block_keys: Optional[int] = None) -> Dict[str, int]:
     """Busiest rank's total bytes sent (fwd + bwd) per scheme: "ring", "all_gather", "a2a" (when
-    Hq % cp == 0) and, with a2a_size given, "a2a+p2p" (when Hq % a2a_size == 0)."""
+    Hq % cp == 0) and, with a2a_size given, "a2a+p2p" (when Hq % a2a_size == 0).
+    partial_bytes, block_keys: as sent_per_rank."""
     out = {}
     for comm in SINGLE_GROUP + (("a2a+p2p",) if a2a_size is not None else ()):
-        per = sent_per_rank(spec, seq_len, comm, batch, a2a_size)
+        per = sent_per_rank(spec, seq_len, comm, batch, a2a_size, partial_bytes=partial_bytes,
+                            block_keys=block_keys)
         if per is not None:
             out[comm] = max(sum(ops.values()) for ops in per)
     return out
 
 
-def choose_comm(spec: AttnSpec, seq_len: int, batch: int = 1) -> str:
-    """The single-group scheme (ring, all_gather, a2a) with the fewest bytes on the busiest rank."""
-    costs = bytes_per_rank(spec, seq_len, batch)
+def choose_comm(spec: AttnSpec, seq_len: int, batch: int = 1, *,
+                partial_bytes: Optional[int] = None, block_keys: Optional[int] = None) -> str:
+    """The single-group scheme (ring, all_gather, a2a) with the fewest bytes on the busiest rank.
+    partial_bytes: the selected kernel's kernel.partial_dtype(spec.dtype).itemsize (None: the
+    gradient bytes); block_keys: as sent_per_rank."""
+    costs = bytes_per_rank(spec, seq_len, batch, partial_bytes=partial_bytes, block_keys=block_keys)
     return min((n for n in SINGLE_GROUP if n in costs), key=lambda n: (costs[n], SINGLE_GROUP.index(n)))
 
 
 def describe_comm_choice(spec: AttnSpec, seq_len: int, batch: int = 1,
-                         a2a_size: Optional[int] = None) -> str:
-    costs = bytes_per_rank(spec, seq_len, batch, a2a_size)
-    chosen = choose_comm(spec, seq_len, batch)
+                         a2a_size: Optional[int] = None, *, partial_bytes: Optional[int] = None,
+                         block_keys: Optional[int] = None) -> str:
+    """choose_comm's table (partial_bytes, block_keys: as sent_per_rank)."""
+    kw = dict(partial_bytes=partial_bytes, block_keys=block_keys)
+    costs = bytes_per_rank(spec, seq_len, batch, a2a_size, **kw)
+    chosen = choose_comm(spec, seq_len, batch, **kw)
     lines = [f"comm='auto' at S={seq_len}, cp={spec.cp_size}: bytes sent per rank per layer "
              "(fwd+bwd, busiest rank)"]
+    if partial_bytes is not None and partial_bytes != _sizes(spec)[1]:
+        lines[0] += f"; ring dK/dV partials of {partial_bytes} B per element where exclusive"
     for name in SINGLE_GROUP:
         if name in costs:
             mark = "CHOSEN" if name == chosen else ""

@@ -76,11 +76,12 @@ def run_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, softcap,
                          f"cp_softcap.sharding.pad_to_multiple(x, {2 * cp}) before sharding")
     spec = spec_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
                     cp_size=cp, comm=comm)
-    for g in ((inner, outer) if hybrid else (group,)):
-        check_signature(g, q, k, v, spec, backend)
     kernel = select(spec, backend).kernel
+    for g in ((inner, outer) if hybrid else (group,)):
+        check_signature(g, q, k, v, spec, backend, kernel.name)
     if comm == "auto":
-        comm = choose_comm(spec, q.shape[1] * cp, q.shape[0])
+        comm = choose_comm(spec, q.shape[1] * cp, q.shape[0],
+                           partial_bytes=kernel.partial_dtype(spec.dtype).itemsize)
     args = (spec.scale, spec.softcap, spec.window)
     if comm == "ring":
         return RingAttention.apply(q, k, v, group, kernel, *args)

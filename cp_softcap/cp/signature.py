@@ -20,19 +20,20 @@ from ..spec import COMM_TYPES, AttnSpec
 
 FIELDS = ("batch", "local seq len", "query heads", "kv heads", "head dim", "v head dim",
           "dtype", "device type", "softcap", "window left", "window right", "causal", "scale",
-          "comm", "backend", "kv seq len")
+          "comm", "backend", "kv seq len", "selected kernel")
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 _BACKENDS = ("auto", "fa2", "fa3", "fa4", "flex", "sdpa", "torch")
 _CHECKED: Dict[Tuple, bool] = {}
 
 
-def _encode(q, k, v, spec: AttnSpec, backend: str) -> Tuple[float, ...]:
+def _encode(q, k, v, spec: AttnSpec, backend: str, kernel: str) -> Tuple[float, ...]:
     left, right = spec.window
     return (q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3],
             _DTYPE_CODES.get(q.dtype, -1), 1 if q.is_cuda else 0, spec.softcap or 0.0,
             -1 if left is None else left, -1 if right is None else right, float(spec.causal),
             spec.scale, COMM_TYPES.index(spec.comm),
-            _BACKENDS.index(backend) if backend in _BACKENDS else -1, k.shape[1])
+            _BACKENDS.index(backend) if backend in _BACKENDS else -1, k.shape[1],
+            _BACKENDS.index(kernel) if kernel in _BACKENDS else -1)
 
 
 def _decode(field: str, value: float):
@@ -40,7 +41,7 @@ def _decode(field: str, value: float):
         return {c: str(d).replace("torch.", "") for d, c in _DTYPE_CODES.items()}.get(int(value), "?")
     if field == "comm":
         return COMM_TYPES[int(value)]
-    if field == "backend":
+    if field in ("backend", "selected kernel"):
         return _BACKENDS[int(value)] if value >= 0 else "?"
     if field == "device type":
         return "cuda" if value else "cpu"
@@ -51,9 +52,11 @@ def _decode(field: str, value: float):
     return value if field == "scale" else int(value)
 
 
-def check_signature(group, q, k, v, spec: AttnSpec, backend: str) -> None:
-    """Raise ValueError on every rank if the ranks of `group` disagree on the call."""
-    local = _encode(q, k, v, spec, backend)
+def check_signature(group, q, k, v, spec: AttnSpec, backend: str, kernel: str) -> None:
+    """Raise ValueError on every rank if the ranks of `group` disagree on the call, including
+    the kernel each selected: its gradient dtype decides the size of the ring's dK/dV messages
+    and comm='auto''s choice, so ranks with different kernels would otherwise hang."""
+    local = _encode(q, k, v, spec, backend, kernel)
     key = (id(group), local)
     if key in _CHECKED and os.environ.get("CP_SOFTCAP_CHECK_EVERY_CALL", "0") in ("", "0"):
         return
@@ -72,5 +75,6 @@ def check_signature(group, q, k, v, spec: AttnSpec, backend: str) -> None:
     if diffs:
         raise ValueError(f"cp_softcap: the ranks of the CP group called attention differently "
                          f"(seen on rank {dist.get_rank(group)}): " + "; ".join(diffs) +
-                         ". Every CP rank must pass shards of the same shape, dtype and options.")
+                         ". Every CP rank must pass shards of the same shape, dtype and options, and select the "
+                         "same kernel (same packages installed; or force one with backend=).")
     _CHECKED[key] = True

@@ -116,6 +116,12 @@ class NativeGradKernel(Kernel):
                                      window=window, dlse=dlse)
         return tuple(g.to(grad_dtype(g.dtype)) for g in grads)
 
+    def backward_native(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
+                        window: Window, dlse: Optional[torch.Tensor] = None):
+        # the implementation; without this override backward() and the base backward_native
+        # would call each other forever
+        raise NotImplementedError(f"{type(self).__name__} must implement backward_native")
+
     def backward_any_dtype(self, *args, **kwargs):
         return self.backward_native(*args, **kwargs)
 
