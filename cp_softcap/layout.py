@@ -189,11 +189,11 @@ def block_exclusive(cp: int, rank: int, chunk: int, window: Window, steps: Tuple
     return all(len(plan_step(cp, rank, s.src, chunk, window)) == 1 for s in slots)
 
 
-DEFAULT_BLOCK_KEYS = 16384
+DEFAULT_BLOCK_KEYS = 32768      # measured best on H200 at 32K/128K, cp 4/8 (benchmarks/RESULTS.md)
 
 
 def block_keys() -> int:
-    """Keys a ring block aims for (env CP_SOFTCAP_RING_BLOCK_KEYS, default 16384; 0 = one step
+    """Keys a ring block aims for (env CP_SOFTCAP_RING_BLOCK_KEYS, default 32768; 0 = one step
     per block)."""
     import os
     raw = os.environ.get("CP_SOFTCAP_RING_BLOCK_KEYS", "")

@@ -48,8 +48,8 @@ def _block_keys(world: int, steps: int) -> str:
 
 
 # (CP_SOFTCAP_RING_BLOCK_KEYS or None for the default, world, expected ring blocks, cases).
-# Default (every case): these shapes are far below 16384 keys, so all steps form one block and
-# fully visible steps run as one call over concatenated keys.
+# Default (every case): these shapes are far below layout.DEFAULT_BLOCK_KEYS, so all steps form
+# one block and fully visible steps run as one call over concatenated keys.
 # "0" and "1" key: one step per block (cp 2 is that under any setting), so block i+1's K/V and
 # block i's dK/dV are in flight while block i computes. 2 steps: multi-step blocks AND several
 # blocks (the last one short). These run BLOCK_SUBSET only ("1": its windowed cases only).
@@ -64,7 +64,7 @@ BLOCKINGS = [(None, w, (tuple(range(1, w)),) if w > 1 else (), None) for w in (1
 @pytest.mark.parametrize("keys,world,blocks,subset", BLOCKINGS,
                          ids=[f"cp{w}-keys{k or 'default'}" for k, w, _, _ in BLOCKINGS])
 def test_ring_matches_float64_reference(keys, world, blocks, subset):
-    # "" is the default (16384), also when the caller's shell exports another value
+    # "" is the default (layout.DEFAULT_BLOCK_KEYS), also when the caller's shell exports another value
     env = {"CP_SOFTCAP_RING_BLOCK_KEYS": "" if keys is None else keys}
     results = run_ranks(_worker, world, "ring", subset, timeout=240, env=env)
     for got, _ in results:               # the env reached the ring: the blocks it used
