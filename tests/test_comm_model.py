@@ -251,11 +251,16 @@ def test_float32_partials_keep_todays_model(dtype, g, window, monkeypatch):
 
 def test_choose_comm_with_native_partials():
     """Gemma2-9B window (4095, 0) at 32K, cp 8: float32 dK/dV, a2a wins (224 vs 255.9 MiB); with
-    bf16 partials the ring sends 192.0 MiB and wins."""
+    bf16 partials the ring sends 192.0 MiB with one step per block and wins. Blocks of 32768 keys
+    (two steps here) join steps whose keys two calls read, so those return float32: 223.95 MiB,
+    still just under a2a's 224."""
     sp = spec_of(8, window=(4095, 0))
-    assert choose_comm(sp, 32768) == "a2a"
-    assert choose_comm(sp, 32768, partial_bytes=2) == "ring"
-    assert bytes_per_rank(sp, 32768, partial_bytes=2)["ring"] / MiB == pytest.approx(191.96, abs=0.01)
+    assert choose_comm(sp, 32768, block_keys=16384) == "a2a"
+    assert choose_comm(sp, 32768, partial_bytes=2, block_keys=16384) == "ring"
+    ring = lambda keys: bytes_per_rank(sp, 32768, partial_bytes=2, block_keys=keys)["ring"] / MiB  # noqa: E731
+    assert ring(16384) == pytest.approx(191.96, abs=0.01)
+    assert ring(32768) == pytest.approx(223.95, abs=0.01)
+    assert choose_comm(sp, 32768, partial_bytes=2, block_keys=32768) == "ring"
     text = describe_comm_choice(sp, 32768, partial_bytes=2, block_keys=0)
     assert "partials of 2 B" in text.splitlines()[0]
     chosen = [line for line in text.splitlines() if "CHOSEN" in line]
