@@ -157,8 +157,9 @@ ALL_COMMS = ("ring", "all_gather", "a2a")
 @pytest.mark.parametrize("causal", [True, False])
 def test_native_partials_halve_exclusive_dkv(cp, block_keys, causal):
     """bf16 partials (flash-attn family): causal zigzag blocks (and unmasked ones) are always
-    exclusive, so every rank's ring.bwd.dkv is exactly half the float32 model; nothing else
-    changes, and all_gather / a2a do not depend on the partials at all."""
+    exclusive, so every rank's ring.bwd.dkv is exactly half the float32 model; a2a's gradients
+    (one kernel call per head) halve too; nothing else changes, and all_gather does not depend on
+    the partials at all."""
     sp, s = spec_of(cp, causal=causal), 2 * cp * 64
     c = s // cp // 2
     assert all(block_exclusive(cp, r, c, sp.window, steps)
@@ -166,8 +167,13 @@ def test_native_partials_halve_exclusive_dkv(cp, block_keys, causal):
     for comm in ALL_COMMS:
         base = sent_per_rank(sp, s, comm, batch=3)
         native = sent_per_rank(sp, s, comm, batch=3, partial_bytes=2, block_keys=block_keys)
-        if comm != "ring":
+        if comm == "all_gather":
             assert native == base
+            continue
+        if comm == "a2a":
+            for b, n in zip(base, native):
+                assert all(n[op] * 2 == b[op] > 0 for op in ("a2a.bwd.dq", "a2a.bwd.dk", "a2a.bwd.dv"))
+                assert all(n[op] == b[op] for op in b if op.startswith("a2a.fwd") or op == "a2a.bwd.dout")
             continue
         for b, n in zip(base, native):
             assert n["ring.bwd.dkv"] * 2 == b["ring.bwd.dkv"] > 0
@@ -183,15 +189,16 @@ def test_native_partials_halve_exclusive_dkv(cp, block_keys, causal):
 
 
 def test_gemma2_9b_with_native_partials():
-    """cp 8, bf16: causal ring 672 -> 560 MiB (dkv 224 -> 112 on every rank); all_gather and a2a
-    unchanged. a2a+p2p/4 at 128K (outer ring of 2): the outer rank 0 sends K/V 64+64 and dkv
+    """cp 8, bf16: causal ring 672 -> 560 MiB (dkv 224 -> 112 on every rank); a2a 224 -> 168 (its
+    dq/dk/dv halve); all_gather unchanged; a2a+p2p's inner a2a returns the outer ring's float32
+    sums, so only its ring part changes. a2a+p2p/4 at 128K (outer ring of 2): the outer rank 0 sends K/V 64+64 and dkv
     256 -> 128, rank 1 K/V 128+128 and dkv 128 -> 64 MiB, so the busiest total (a2a 768 +
     ring) goes 1152 -> 1088, now on rank 1."""
     got = bytes_per_rank(spec_of(8), 32768, a2a_size=2, partial_bytes=2)
-    assert {k: v / MiB for k, v in got.items()} == {"ring": 560, "all_gather": 896, "a2a": 224,
+    assert {k: v / MiB for k, v in got.items()} == {"ring": 560, "all_gather": 896, "a2a": 168,
                                                     "a2a+p2p": 368}
     got = bytes_per_rank(spec_of(8), 131072, a2a_size=4, partial_bytes=2)
-    assert {k: v / MiB for k, v in got.items()} == {"ring": 2240, "all_gather": 3584, "a2a": 896,
+    assert {k: v / MiB for k, v in got.items()} == {"ring": 2240, "all_gather": 3584, "a2a": 672,
                                                     "a2a+p2p": 1088}
 
 
@@ -250,21 +257,21 @@ def test_float32_partials_keep_todays_model(dtype, g, window, monkeypatch):
 
 
 def test_choose_comm_with_native_partials():
-    """Gemma2-9B window (4095, 0) at 32K, cp 8: float32 dK/dV, a2a wins (224 vs 255.9 MiB); with
-    bf16 partials the ring sends 192.0 MiB with one step per block and wins. Blocks of 32768 keys
-    (two steps here) join steps whose keys two calls read, so those return float32: 223.95 MiB,
-    still just under a2a's 224."""
+    """Gemma2-9B window (4095, 0), cp 8, bf16 partials. 32K: the ring sends 192.0 MiB with one
+    step per block; blocks of 32768 keys (two steps here) join steps whose keys two calls read,
+    so those return float32: 223.95 MiB; a2a (bf16 gradients too) sends 168 and wins either way.
+    128K: the ring's 192.0 beats a2a's 672."""
     sp = spec_of(8, window=(4095, 0))
-    assert choose_comm(sp, 32768, block_keys=16384) == "a2a"
-    assert choose_comm(sp, 32768, partial_bytes=2, block_keys=16384) == "ring"
     ring = lambda keys: bytes_per_rank(sp, 32768, partial_bytes=2, block_keys=keys)["ring"] / MiB  # noqa: E731
     assert ring(16384) == pytest.approx(191.96, abs=0.01)
     assert ring(32768) == pytest.approx(223.95, abs=0.01)
-    assert choose_comm(sp, 32768, partial_bytes=2, block_keys=32768) == "ring"
+    assert bytes_per_rank(sp, 32768, partial_bytes=2)["a2a"] / MiB == 168
+    assert choose_comm(sp, 32768, partial_bytes=2, block_keys=16384) == "a2a"
+    assert choose_comm(sp, 131072, partial_bytes=2, block_keys=32768) == "ring"
     text = describe_comm_choice(sp, 32768, partial_bytes=2, block_keys=0)
     assert "partials of 2 B" in text.splitlines()[0]
     chosen = [line for line in text.splitlines() if "CHOSEN" in line]
-    assert len(chosen) == 1 and chosen[0].split()[:2] == ["ring", "192.0"]
+    assert len(chosen) == 1 and chosen[0].split()[:2] == ["a2a", "168.0"]
     assert "partials" not in describe_comm_choice(sp, 32768, partial_bytes=4)
     for bad in (0, -2, 2.0, True):
         with pytest.raises(ValueError, match="partial_bytes"):

@@ -4,8 +4,11 @@ group, ring across the outer group). comm="a2a" is the hybrid with an outer grou
 Forward: seq_to_heads on q, k, v within the inner group; the outer ring (or, with no outer
 group, one full-sequence kernel call with the real causal/window/softcap); heads_to_seq back.
 The head-sharded q/k/v and the float32 output/LSE are saved, so the backward re-sends nothing
-but dout: it runs the kernel (or ring) backward and returns float32 gradients through the
-adjoint all-to-all (replicated KV heads summed exactly), cast to the input dtype once.
+but dout: it runs the kernel (or ring) backward and returns the gradients through the adjoint
+all-to-all, summing replicated KV heads in float32, cast to the input dtype once. Without an
+outer ring each head's gradient is ONE kernel call's, so it travels in the kernel's own dtype
+(bf16 from flash-attn: the same result as a float32 copy, at half the bytes); the outer ring's
+gradients are float32 sums and travel as such.
 """
 from __future__ import annotations
 
@@ -55,8 +58,8 @@ class UlyssesAttention(torch.autograd.Function):
         inner, outer, kernel, scale, softcap, window, q_idx, kv_idx, hq, hkv, qdt, kdt, vdt = ctx.args
         douth = seq_to_heads(dout, inner, q_idx, "a2a.bwd.dout")
         if outer is None:
-            dq, dk, dv = kernel.backward(douth, qh, kh, vh, out, lse, scale=scale,
-                                         softcap=softcap, window=window)
+            dq, dk, dv = kernel.backward_any_dtype(douth, qh, kh, vh, out, lse, scale=scale,
+                                                   softcap=softcap, window=window)
         else:
             dq, dk, dv = ring_backward(douth, qh, kh, vh, out, lse, outer, kernel, scale,
                                        softcap, window)

@@ -30,8 +30,10 @@ the flash-attn family (NativeGradKernel), g for the torch kernel; default g).
       re-gather + (cp-1) * n * kv * g (float32 reduce-scatter of dK/dV). Window-independent.
   a2a (cp/a2a.py, ulysses.py; needs Hq % cp == 0; h = Hq/cp, hk = KV heads per rank with
       replicas, kv_head_index): (cp-1) * B * c2 with c2 = n tokens per destination:
-      fwd q (h*D*e), k (hk*D*e), v (hk*Dv*e), out (h*Dv*e); bwd dout (h*Dv*e), dq (h*D*g),
-      dk (hk*D*g), dv (hk*Dv*g).
+      fwd q (h*D*e), k (hk*D*e), v (hk*Dv*e), out (h*Dv*e); bwd dout (h*Dv*e), dq (h*D*p),
+      dk (hk*D*p), dv (hk*Dv*p) with p = the kernel's partial bytes (one kernel call per head:
+      its gradient travels in the kernel's dtype).
+      Inside a2a+p2p the gradients are the outer ring's float32 sums: p = g there.
   a2a+p2p with a2a_size a (cp/a2a.py with an outer group; CP rank = ring_rank * a + a2a_rank):
       the a2a terms above on the inner group (cp -> a, same n), plus the ring terms of the outer
       ring: cp/a ranks, chunk a*c (blocks of ring_blocks(cp/a, a*n, block_keys)), Hq/a query and
@@ -103,9 +105,10 @@ def _ring(cp: int, chunk: int, window: Window, kv_e: int, kv_g: int, kv_p: int,
     return out
 
 
-def _a2a(spec: AttnSpec, ranks: int, n: int, batch: int) -> Dict[str, int]:
-    """Bytes every rank of an all-to-all group of `ranks` sends (n local tokens per rank)."""
-    e, g = _sizes(spec)
+def _a2a(spec: AttnSpec, ranks: int, n: int, batch: int, g: int) -> Dict[str, int]:
+    """Bytes every rank of an all-to-all group of `ranks` sends (n local tokens per rank);
+    g = bytes of the gradients it returns."""
+    e, _ = _sizes(spec)
     d, dv = spec.head_dim, spec.head_dim_v
     h = spec.num_heads // ranks
     hk = len(kv_head_index(spec.num_heads, spec.num_kv_heads, ranks)[0])   # replicas included
@@ -126,7 +129,8 @@ def sent_per_rank(spec: AttnSpec, seq_len: int, comm: str, batch: int = 1,
     partial_bytes: element bytes of the kernel's dK/dV partials,
     kernel.partial_dtype(spec.dtype).itemsize (2 for bf16/fp16 inputs on the flash-attn family);
     None = gradient bytes (float32, float64 for float64), as for the torch kernel. It changes
-    only ring.bwd.dkv (ring and a2a+p2p's outer ring), for blocks where layout.block_exclusive.
+    ring.bwd.dkv (ring and a2a+p2p's outer ring), for blocks where layout.block_exclusive, and
+    a2a's dq/dk/dv (plain a2a only).
     block_keys: the ring's block size in keys (CP_SOFTCAP_RING_BLOCK_KEYS); None = read it from
     the environment as the ring does (layout.block_keys()). Used only when partial_bytes differs
     from the gradient bytes."""
@@ -144,14 +148,14 @@ def sent_per_rank(spec: AttnSpec, seq_len: int, comm: str, batch: int = 1,
     if comm == "a2a":
         if spec.num_heads % cp:
             return None
-        ops = {k: v for k, v in _a2a(spec, cp, n, batch).items() if v}
+        ops = {k: v for k, v in _a2a(spec, cp, n, batch, p).items() if v}
         return [dict(ops) for _ in range(cp)]
     if comm == "a2a+p2p":
         if a2a_size is None or a2a_size < 1 or cp % a2a_size:
             raise ValueError(f"a2a+p2p needs an a2a_size that divides cp={cp}, got {a2a_size}")
         if spec.num_heads % a2a_size:
             return None
-        inner = {k: v for k, v in _a2a(spec, a2a_size, n, batch).items() if v}
+        inner = {k: v for k, v in _a2a(spec, a2a_size, n, batch, g).items() if v}
         hk = len(kv_head_index(spec.num_heads, spec.num_kv_heads, a2a_size)[0])
         kv_outer = batch * hk * (spec.head_dim + spec.head_dim_v)
         outer = _ring(cp // a2a_size, a2a_size * n // 2, spec.window, kv_outer * e, kv_outer * g,

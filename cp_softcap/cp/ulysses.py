@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_to_all
+from ..kernels.base import grad_dtype
 
 
 def query_head_index(hq: int, ranks: int) -> List[List[int]]:
@@ -68,10 +69,12 @@ def heads_to_seq(y: torch.Tensor, group, op: str) -> torch.Tensor:
 
 
 def heads_to_seq_sum(g: torch.Tensor, group, index: List[List[int]], num_heads: int, op: str) -> torch.Tensor:
-    """Adjoint of seq_to_heads: g [B, 2cI, h, D] -> [B, 2c, H, D], summing replicated heads."""
+    """Adjoint of seq_to_heads: g [B, 2cI, h, D] -> [B, 2c, H, D], summing replicated heads in
+    float32 (float64 for float64); g travels in its own dtype."""
     ranks = dist.get_world_size(group)
     recv = all_to_all(_unorder(g, ranks), group, op)          # [I(src), B, 2c, h, D]
-    out = torch.zeros(recv.shape[1:3] + (num_heads, recv.shape[-1]), dtype=g.dtype, device=g.device)
+    acc = grad_dtype(g.dtype)
+    out = torch.zeros(recv.shape[1:3] + (num_heads, recv.shape[-1]), dtype=acc, device=g.device)
     for j in range(ranks):                                    # fixed order: deterministic
-        out.index_add_(2, torch.tensor(index[j], device=g.device), recv[j])
+        out.index_add_(2, torch.tensor(index[j], device=g.device), recv[j].to(acc))
     return out
