@@ -17,7 +17,8 @@ from collections import Counter
 
 import pytest
 
-from cp_softcap.layout import PairCall, block_plan, key_range, needs, plan_step, ring_blocks
+from cp_softcap.layout import (PairCall, block_exclusive, block_plan, key_range, needs, plan_step,
+                               ring_blocks)
 from cp_softcap.sharding import local_chunks
 
 KEYS = (0, 1, "2c", "3c", 10 ** 9)          # CP_SOFTCAP_RING_BLOCK_KEYS values ("2c" = 2 * chunk)
@@ -131,6 +132,12 @@ def check(cp: int, chunk: int, window, keys):
                 assert (kr is None) == (got is None)
                 if got is not None:
                     assert (got.src, got.k0, got.k1) == (r, kr[0], kr[1])
+        # block_exclusive (16-bit dK/dV returns) is exactly "no buffer key read by two calls"
+        for r in range(cp):
+            reads = Counter(j for c in block_plan(cp, r, chunk, window, tuple(b))[1]
+                            for j in range(c.k0, c.k1))
+            assert block_exclusive(cp, r, chunk, window, tuple(b)) == all(
+                n == 1 for n in reads.values()), (r, b, window)
 
 
 @pytest.mark.parametrize("chunk", [4, 6])

@@ -202,9 +202,10 @@ def test_gemma2_9b_with_native_partials():
                                                     "a2a+p2p": 1088}
 
 
-# cp 4, chunk 8, window (11, 0): rank 2's keys of rank 3 (step 3) and rank 3's keys of rank 2
-# (step 1) span two kernel calls each (not exclusive). Keys received per source:
-#   rank 0: src1 8, src2 3 | rank 1: src0 8, src2 8, src3 3 | rank 2: src0 3, src1 8, src3 11*
+# cp 4, chunk 8, window (11, 0): rank 2's keys of rank 3 (step 3) are read by two calls on
+# disjoint keys [5, 8) and [8, 16) (still exclusive); rank 3's keys of rank 2 (step 1) by two
+# calls that share keys [5, 8) (not exclusive). Keys received per source:
+#   rank 0: src1 8, src2 3 | rank 1: src0 8, src2 8, src3 3 | rank 2: src0 3, src1 8, src3 11
 #   rank 3: src1 3, src2 8*                                   (* = non-exclusive source)
 W_CP, W_C, W_WIN = 4, 8, (11, 0)
 W_KV = 2 * (8 + 8)                  # hkv 2, D = Dv = 8, batch 1: bytes per key per element byte
@@ -212,9 +213,9 @@ W_KV = 2 * (8 + 8)                  # hkv 2, D = Dv = 8, batch 1: bytes per key 
 
 @pytest.mark.parametrize("block_keys,dkv_elems", [
     # one step per block: only the non-exclusive slot stays float32 (4 B), the rest 2 B
-    (0, [11 * 2, 19 * 2, 11 * 2 + 11 * 4, 3 * 2 + 8 * 4]),
-    # one block of all steps (16 local tokens): ranks 2 and 3's whole block stays float32
-    (16384, [11 * 2, 19 * 2, 22 * 4, 11 * 4]),
+    (0, [11 * 2, 19 * 2, 22 * 2, 3 * 2 + 8 * 4]),
+    # one block of all steps (16 local tokens): rank 3's whole block stays float32
+    (16384, [11 * 2, 19 * 2, 22 * 2, 11 * 4]),
 ])
 def test_window_non_exclusive_block_keeps_float32(block_keys, dkv_elems):
     sp = spec_of(W_CP, window=W_WIN, hkv=2, d=8)
@@ -257,14 +258,13 @@ def test_float32_partials_keep_todays_model(dtype, g, window, monkeypatch):
 
 
 def test_choose_comm_with_native_partials():
-    """Gemma2-9B window (4095, 0), cp 8, bf16 partials. 32K: the ring sends 192.0 MiB with one
-    step per block; blocks of 32768 keys (two steps here) join steps whose keys two calls read,
-    so those return float32: 223.95 MiB; a2a (bf16 gradients too) sends 168 and wins either way.
-    128K: the ring's 192.0 beats a2a's 672."""
+    """Gemma2-9B window (4095, 0), cp 8, bf16 partials. 32K: the ring sends 192.0 MiB with
+    blocks of one or two steps (every block's calls read disjoint keys); a2a (bf16 gradients
+    too) sends 168 and wins. 128K: the ring's 192.0 beats a2a's 672."""
     sp = spec_of(8, window=(4095, 0))
     ring = lambda keys: bytes_per_rank(sp, 32768, partial_bytes=2, block_keys=keys)["ring"] / MiB  # noqa: E731
-    assert ring(16384) == pytest.approx(191.96, abs=0.01)
-    assert ring(32768) == pytest.approx(223.95, abs=0.01)
+    assert ring(16384) == pytest.approx(191.95, abs=0.01)
+    assert ring(32768) == pytest.approx(191.95, abs=0.01)
     assert bytes_per_rank(sp, 32768, partial_bytes=2)["a2a"] / MiB == 168
     assert choose_comm(sp, 32768, partial_bytes=2, block_keys=16384) == "a2a"
     assert choose_comm(sp, 131072, partial_bytes=2, block_keys=32768) == "ring"

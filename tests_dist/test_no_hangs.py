@@ -210,24 +210,50 @@ def test_mismatched_calls_fail_on_every_rank_with_the_values():
             assert elapsed < TIMEOUT_S, f"{name}: rank {rank} needed {elapsed:.1f}s"
 
 
-def _kernel_mismatch_worker(rank, world):
-    """Same call on both ranks, but rank 0 forces the torch kernel through the environment (as a
-    node without an optional package would fall back): the selected kernels differ."""
+def _env_mismatch_worker(rank, world, name, value, backend):
+    """Same call on both ranks, but rank 0 has `name`=`value` in its environment (as a node
+    with other packages or another launch script would)."""
     import cp_softcap as cps
     if rank == 0:
-        os.environ["CP_SOFTCAP_BACKEND"] = "torch"
-    return _timed(lambda: cps.cp_attention(*_qkv(**BASE, seed=rank), _world(), softcap=None))
+        os.environ[name] = value
+    return _timed(lambda: cps.cp_attention(*_qkv(**BASE, seed=rank), _world(), softcap=None,
+                                           backend=backend if rank == 1 else "auto"))
 
 
 @pytest.mark.timeout(60)
-def test_ranks_selecting_different_kernels_fail_with_both_names():
-    """The kernel's gradient dtype sizes the ring's dK/dV messages and steers comm='auto', so a
-    kernel mismatch must be an error on every rank, not a hang or a silent mix."""
-    out = spawn(_kernel_mismatch_worker, 2)
+@pytest.mark.parametrize("name,value,backend,want", [
+    ("CP_SOFTCAP_BACKEND", "torch", "auto", "selected kernel differs (rank 0: torch, rank 1: sdpa)"),
+    ("CP_SOFTCAP_RING_BLOCK_KEYS", "0", "auto", "ring block keys differs (rank 0: 0, rank 1: 32768)"),
+    ("CP_SOFTCAP_RING_BLOCK_KEYS", "lots", "auto",
+     "ring block keys differs (rank 0: invalid CP_SOFTCAP_RING_BLOCK_KEYS, rank 1: 32768)"),
+    ("UNUSED", "", "fa2", "selected kernel differs (rank 0: sdpa, rank 1: none"),   # fa2 absent on CPU
+], ids=["kernel", "block-keys", "block-keys-invalid", "forced-backend-unavailable"])
+def test_ranks_that_differ_in_kernel_or_block_size_fail_with_both_values(name, value, backend, want):
+    """The kernel's gradient dtype and the ring's block size shape the ring's messages (and the
+    kernel steers comm='auto'); a rank whose selection fails must not leave the others waiting:
+    every rank fails at once, naming every rank's value."""
+    out = spawn(_env_mismatch_worker, 2, name, value, backend)
     for rank in (0, 1):
         status, (elapsed, msg) = out[rank]
         assert status == "ok" and msg is not None, out[rank]
-        assert "selected kernel differs (rank 0: torch, rank 1: sdpa)" in msg, msg
+        assert msg.startswith("ValueError") and want in msg, msg
+        assert elapsed < TIMEOUT_S, f"rank {rank} needed {elapsed:.1f}s"
+
+
+def _both_force_fa2_worker(rank, world):
+    import cp_softcap as cps
+    return _timed(lambda: cps.cp_attention(*_qkv(**BASE, seed=rank), _world(), backend="fa2"))
+
+
+@pytest.mark.timeout(60)
+def test_the_same_local_failure_on_every_rank_is_raised_on_every_rank():
+    """All ranks agree (each forced fa2, which CPU cannot run): the signatures match and each
+    rank raises its own selection error, at once."""
+    out = spawn(_both_force_fa2_worker, 2)
+    for rank in (0, 1):
+        status, (elapsed, msg) = out[rank]
+        assert status == "ok" and msg is not None, out[rank]
+        assert msg.startswith("ValueError: backend 'fa2' cannot serve this call"), msg
         assert elapsed < TIMEOUT_S, f"rank {rank} needed {elapsed:.1f}s"
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import spec_for
+from ..layout import block_keys
 from ..selector import select
 from ..spec import check_qkv
 from .a2a import UlyssesAttention, check_heads
@@ -76,9 +77,18 @@ def run_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, softcap,
                          f"cp_softcap.sharding.pad_to_multiple(x, {2 * cp}) before sharding")
     spec = spec_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
                     cp_size=cp, comm=comm)
-    kernel = select(spec, backend).kernel
+    # A local failure (no kernel for a forced backend, a bad CP_SOFTCAP_RING_BLOCK_KEYS) is
+    # raised only after the signature exchange, so every rank fails at once with all ranks' values
+    kernel, keys, local_error = None, -1, None
+    try:
+        keys = block_keys()
+        kernel = select(spec, backend).kernel
+    except ValueError as e:
+        local_error = e
     for g in ((inner, outer) if hybrid else (group,)):
-        check_signature(g, q, k, v, spec, backend, kernel.name)
+        check_signature(g, q, k, v, spec, backend, kernel.name if kernel else "none", keys)
+    if local_error is not None:
+        raise local_error
     if comm == "auto":
         comm = choose_comm(spec, q.shape[1] * cp, q.shape[0],
                            partial_bytes=kernel.partial_dtype(spec.dtype).itemsize)

@@ -127,11 +127,12 @@ def ring_backward(dout, q, k, v, out, lse, group, kernel, scale, softcap, window
     for i in range(len(blocks)):
         blk = pending.wait()
         pending = post(i + 1) if i + 1 < len(blocks) else None
-        rdt = lambda r: return_dtype(kernel, q.dtype, cp, r, chunk, window, blocks[i])  # noqa: E731
+        steps = blocks[i]
+        rdt = lambda r, steps=steps: return_dtype(kernel, q.dtype, cp, r, chunk, window, steps)  # noqa: E731
         gk, gv = (GradAccumulator(t.shape, rdt(rank), q.device) for t in (blk.k, blk.v))
         backward_calls(dout, q, blk.k, blk.v, out, lse, dlse, blk.calls, *args, dq, gk, gv)
         posted = _GradReturn(group, gk.result(), gv.result(), blk.slots, k, v, cp, rank, chunk,
-                             window, blocks[i], rdt)
+                             window, steps, rdt)
         if returning is not None:
             returning.add_into(dk, dv)
         returning = posted

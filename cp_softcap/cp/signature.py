@@ -20,20 +20,20 @@ from ..spec import COMM_TYPES, AttnSpec
 
 FIELDS = ("batch", "local seq len", "query heads", "kv heads", "head dim", "v head dim",
           "dtype", "device type", "softcap", "window left", "window right", "causal", "scale",
-          "comm", "backend", "kv seq len", "selected kernel")
+          "comm", "backend", "kv seq len", "selected kernel", "ring block keys")
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 _BACKENDS = ("auto", "fa2", "fa3", "fa4", "flex", "sdpa", "torch")
 _CHECKED: Dict[Tuple, bool] = {}
 
 
-def _encode(q, k, v, spec: AttnSpec, backend: str, kernel: str) -> Tuple[float, ...]:
+def _encode(q, k, v, spec: AttnSpec, backend: str, kernel: str, keys: int) -> Tuple[float, ...]:
     left, right = spec.window
     return (q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3],
             _DTYPE_CODES.get(q.dtype, -1), 1 if q.is_cuda else 0, spec.softcap or 0.0,
             -1 if left is None else left, -1 if right is None else right, float(spec.causal),
             spec.scale, COMM_TYPES.index(spec.comm),
             _BACKENDS.index(backend) if backend in _BACKENDS else -1, k.shape[1],
-            _BACKENDS.index(kernel) if kernel in _BACKENDS else -1)
+            _BACKENDS.index(kernel) if kernel in _BACKENDS else -1, keys)
 
 
 def _decode(field: str, value: float):
@@ -41,8 +41,12 @@ def _decode(field: str, value: float):
         return {c: str(d).replace("torch.", "") for d, c in _DTYPE_CODES.items()}.get(int(value), "?")
     if field == "comm":
         return COMM_TYPES[int(value)]
-    if field in ("backend", "selected kernel"):
+    if field == "backend":
         return _BACKENDS[int(value)] if value >= 0 else "?"
+    if field == "selected kernel":
+        return _BACKENDS[int(value)] if value >= 0 else "none (no kernel can serve the call there)"
+    if field == "ring block keys":
+        return int(value) if value >= 0 else "invalid CP_SOFTCAP_RING_BLOCK_KEYS"
     if field == "device type":
         return "cuda" if value else "cpu"
     if field in ("window left", "window right"):
@@ -52,11 +56,12 @@ def _decode(field: str, value: float):
     return value if field == "scale" else int(value)
 
 
-def check_signature(group, q, k, v, spec: AttnSpec, backend: str, kernel: str) -> None:
+def check_signature(group, q, k, v, spec: AttnSpec, backend: str, kernel: str, keys: int) -> None:
     """Raise ValueError on every rank if the ranks of `group` disagree on the call, including
-    the kernel each selected: its gradient dtype decides the size of the ring's dK/dV messages
-    and comm='auto''s choice, so ranks with different kernels would otherwise hang."""
-    local = _encode(q, k, v, spec, backend, kernel)
+    the kernel each selected ("none" where selection failed) and the ring's block size (-1 where
+    CP_SOFTCAP_RING_BLOCK_KEYS is invalid): both size the ring's messages and the kernel steers
+    comm='auto', so ranks that differ would otherwise hang or fail one by one."""
+    local = _encode(q, k, v, spec, backend, kernel, keys)
     key = (id(group), local)
     if key in _CHECKED and os.environ.get("CP_SOFTCAP_CHECK_EVERY_CALL", "0") in ("", "0"):
         return
