@@ -10,14 +10,16 @@ from harness import run_ranks
 CAPS = (1.0, 30.0)   # saturating_qkv scales the logits to ~4x the cap: tanh saturates for both
 
 
-def _worker(rank, world, comm):
+def _install_standin():
+    """backend="torch" becomes the torch kernel's math with gradients rounded to the input dtype
+    (as flash-attn returns them). There is no way to pass a kernel instance to cp_attention:
+    backend names resolve through get_kernel's cache, so this (spawned, per-test) process gets
+    the stand-in there."""
     from cp_softcap import kernels
-    from cp_softcap.cp import grad_accum
     from cp_softcap.kernels.base import NativeGradKernel
     from cp_softcap.kernels.torch_kernel import TorchKernel
 
     class NativeBF16Torch(NativeGradKernel, TorchKernel):
-        """The torch kernel's math, gradients rounded to the input dtype (as flash-attn returns)."""
         calls = 0
 
         def backward_native(self, dout, q, k, v, out, lse, **kw):
@@ -25,9 +27,13 @@ def _worker(rank, world, comm):
             grads = TorchKernel.backward(self, dout, q, k, v, out, lse, **kw)
             return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
-    # No way to pass a kernel instance to cp_attention: backend="torch" resolves through
-    # get_kernel's cache, so this (spawned, per-test) process gets the stand-in there.
     kernels._CACHE["torch"] = NativeBF16Torch()
+    return NativeBF16Torch
+
+
+def _worker(rank, world, comm):
+    from cp_softcap.cp import grad_accum
+    NativeBF16Torch = _install_standin()
     bf16_adds, real_add = [0], grad_accum.GradAccumulator.add
 
     def add(self, lo, hi, grad):        # count the 16-bit partials the accumulator widens
@@ -58,3 +64,47 @@ def test_bf16_partials_match_float64_reference(comm, world):
     for i, cap in enumerate(CAPS + (30.0,)):
         worst = {k: max(r[i][k] for r in results) for k in results[0][i]}
         print(f"{comm} cp={world} cap={cap}: " + " ".join(f"{k}={v:.3g}" for k, v in worst.items()))
+
+
+def _bitwise_worker(rank, world):
+    """The ring's gradients with bf16 dK/dV returns vs the same run forced to return float32."""
+    import os
+
+    import torch.distributed as dist
+
+    import cp_softcap as cps
+    from cp_softcap.cp import ring
+    from cp_softcap.kernels.base import grad_dtype
+    from cp_softcap.sharding import shard
+    _install_standin()
+    exact_return, bf16_blocks = ring.return_dtype, [0]
+
+    def counted(*args):
+        dt = exact_return(*args)
+        bf16_blocks[0] += dt == torch.bfloat16
+        return dt
+    same = []
+    for i, (causal, window) in enumerate([(True, None), (True, (10, 0)), (False, (7, 3))]):
+        for keys in ("0", str(1 << 20)):
+            os.environ["CP_SOFTCAP_RING_BLOCK_KEYS"] = keys
+            torch.manual_seed(i)
+            q, dout = (torch.randn(2, 16 * world, 4, 16).to(torch.bfloat16) for _ in range(2))
+            k, v = (torch.randn(2, 16 * world, 2, 16).to(torch.bfloat16) for _ in range(2))
+            grads = []
+            for returns in (counted, lambda kernel, dtype, *_: grad_dtype(dtype)):
+                ring.return_dtype = returns
+                local = [shard(t, world, rank).requires_grad_() for t in (q, k, v)]
+                out = cps.cp_attention(*local, dist.group.WORLD, backend="torch", softcap=30.0,
+                                       causal=causal, window=window)
+                out.backward(shard(dout, world, rank))
+                grads.append([t.grad for t in local])
+            same.append(all(torch.equal(a, b) for a, b in zip(*grads)))
+    return same, bf16_blocks[0]
+
+
+def test_bf16_returns_are_bitwise_the_float32_returns():
+    """What the ring's docstring claims: returning an exclusive block's bf16 partial and widening
+    it at the owner gives exactly the sums of sending a float32 copy (ring, cp 4, causal and
+    windowed, one step per block and one block of all steps)."""
+    for same, bf16_blocks in run_ranks(_bitwise_worker, 4, timeout=120):
+        assert all(same) and bf16_blocks > 0, (same, bf16_blocks)
