@@ -40,3 +40,24 @@ def run_case(case: dict, seed: int, group=None, comm: str = "ring", backend: str
             raise AssertionError(f"cap-dropped check too weak on rank {rank}: {dropped:.3g} {case}")
         errs["saturated"] = frac
     return errs
+
+
+def install_native_standin():
+    """backend="torch" becomes the torch kernel's math with its gradients rounded to the input
+    dtype, as a NativeGradKernel (what the flash-attn family returns), counting its backward
+    calls. There is no way to pass a kernel instance to cp_attention: backend names resolve
+    through get_kernel's cache, so the calling (spawned, per-test) process gets it there."""
+    from cp_softcap import kernels
+    from cp_softcap.kernels.base import NativeGradKernel
+    from cp_softcap.kernels.torch_kernel import TorchKernel
+
+    class NativeBF16Torch(NativeGradKernel, TorchKernel):
+        calls = 0
+
+        def backward_native(self, dout, q, k, v, out, lse, **kw):
+            type(self).calls += 1
+            grads = TorchKernel.backward(self, dout, q, k, v, out, lse, **kw)
+            return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+    kernels._CACHE["torch"] = kernel = NativeBF16Torch()
+    return kernel

@@ -7,6 +7,7 @@ ring returns exclusive blocks' dK/dV in bf16, modelled with partial_bytes=2."""
 import pytest
 import torch
 
+from cases import install_native_standin
 from harness import run_ranks
 
 CP = 4
@@ -41,33 +42,13 @@ NATIVE_CASES = [
 ]
 
 
-def _native_kernel():
-    """The torch kernel's math with its gradients rounded to the input dtype, as a
-    NativeGradKernel (the flash-attn family's partial dtype) - as in test_native_grad_cp.py."""
-    from cp_softcap.kernels.base import NativeGradKernel
-    from cp_softcap.kernels.torch_kernel import TorchKernel
-
-    class NativeTorch(NativeGradKernel, TorchKernel):
-        calls = 0
-
-        def backward_native(self, dout, q, k, v, out, lse, **kw):
-            type(self).calls += 1
-            grads = TorchKernel.backward(self, dout, q, k, v, out, lse, **kw)
-            return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
-
-    return NativeTorch()
-
-
 def _worker(rank, world, cases, native):
     import torch.distributed as dist
     import cp_softcap as cps
     from cp_softcap.comm import counting
     backend = "auto"
     if native:
-        # backend="torch" resolves through get_kernel's cache: this spawned process gets the
-        # stand-in there (no way to pass a kernel instance to cp_attention)
-        from cp_softcap import kernels
-        kernels._CACHE["torch"] = kernel = _native_kernel()
+        kernel = install_native_standin()
         backend = "torch"
     hybrid = cps.make_hybrid_groups(None, 2)
     out = []
@@ -96,8 +77,9 @@ def test_model_equals_counted_bytes(block_keys, native):
     for i, (comm, a2a, causal, window, hq, hkv, dtype) in enumerate(cases):
         spec = make_spec(head_dim=8, num_heads=hq, num_kv_heads=hkv, dtype=dtype, device_type="cpu",
                          softcap=5.0, causal=causal, window=window, cp_size=CP, comm=comm)
-        # what dispatch passes to choose_comm: None = gradient bytes (the torch kernel)
-        kw = dict(partial_bytes=_native_kernel().partial_dtype(dtype).itemsize if native else None,
+        # what dispatch passes to choose_comm: None = gradient bytes (the torch kernel); the
+        # native stand-in's partials have the input dtype (NativeGradKernel.partial_dtype)
+        kw = dict(partial_bytes=dtype.itemsize if native else None,
                   block_keys=int(block_keys))
         model = sent_per_rank(spec, 2 * CP * C, comm, batch=2, a2a_size=a2a, **kw)
         for r in range(CP):

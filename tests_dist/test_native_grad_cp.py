@@ -4,36 +4,15 @@ the result must still match the float64 reference of full attention (gloo on CPU
 import pytest
 import torch
 
-from cases import run_case
+from cases import install_native_standin, run_case
 from harness import run_ranks
 
 CAPS = (1.0, 30.0)   # saturating_qkv scales the logits to ~4x the cap: tanh saturates for both
 
 
-def _install_standin():
-    """backend="torch" becomes the torch kernel's math with gradients rounded to the input dtype
-    (as flash-attn returns them). There is no way to pass a kernel instance to cp_attention:
-    backend names resolve through get_kernel's cache, so this (spawned, per-test) process gets
-    the stand-in there."""
-    from cp_softcap import kernels
-    from cp_softcap.kernels.base import NativeGradKernel
-    from cp_softcap.kernels.torch_kernel import TorchKernel
-
-    class NativeBF16Torch(NativeGradKernel, TorchKernel):
-        calls = 0
-
-        def backward_native(self, dout, q, k, v, out, lse, **kw):
-            type(self).calls += 1
-            grads = TorchKernel.backward(self, dout, q, k, v, out, lse, **kw)
-            return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
-
-    kernels._CACHE["torch"] = NativeBF16Torch()
-    return NativeBF16Torch
-
-
 def _worker(rank, world, comm):
     from cp_softcap.cp import grad_accum
-    NativeBF16Torch = _install_standin()
+    kernel = install_native_standin()
     bf16_adds, real_add = [0], grad_accum.GradAccumulator.add
 
     def add(self, lo, hi, grad):        # count the 16-bit partials the accumulator widens
@@ -46,7 +25,7 @@ def _worker(rank, world, comm):
     # are not (float32 returns), so owners receive both dtypes in one block
     cases = [{**base, "softcap": cap} for cap in CAPS] + [{**base, "softcap": 30.0, "window": (10, 0)}]
     errs = [run_case(case, seed=3000 + i, comm=comm, backend="torch") for i, case in enumerate(cases)]
-    calls = NativeBF16Torch.calls
+    calls = kernel.calls
     # ring / all_gather: every kernel partial reached an accumulator in bf16; the ring's owners
     # also add the bf16 dK/dV partials returned by causal (exclusive) blocks, all_gather
     # reduce-scatters float32. a2a sends the bf16 gradients through the all-to-all (its bytes
@@ -76,7 +55,7 @@ def _bitwise_worker(rank, world):
     from cp_softcap.cp import ring
     from cp_softcap.kernels.base import grad_dtype
     from cp_softcap.sharding import shard
-    _install_standin()
+    install_native_standin()
     exact_return, bf16_blocks = ring.return_dtype, [0]
 
     def counted(*args):
