@@ -1,13 +1,15 @@
 """Real context parallelism: cps.cp_attention under torchrun with NCCL, one GPU per rank.
 
-    torchrun --nproc-per-node N benchmarks/cp_multi.py [--seqs 32768 131072] [--comms ring all_gather a2a]
+    torchrun --nproc-per-node N benchmarks/cp_multi.py [--seqs 32768 131072] [--comms ring all_gather a2a auto]
+    torchrun --nproc-per-node 8 benchmarks/cp_multi.py --a2a-size 2 4     # adds a2a+p2p (groups of 2, 4)
+    torchrun --nproc-per-node 8 benchmarks/cp_multi.py --window 4095      # Gemma2's local layers
     python benchmarks/cp_multi.py --dry-run       # CPU, gloo, world size 1: checks the script
 
 For each S and comm: fwd+bwd time of cps.cp_attention on the local zigzag shards (max over ranks,
 median of do_bench), softcap 50, Gemma2-9B heads (16/8, D=256) by default, against the ideal
 = single-GPU full attention (cps.attention, measured on rank 0 alone) / N.
 ratio = cp time / ideal (1.0 = perfect). N = 1 runs the single-device path (group of size 1).
-Writes benchmarks/results/cp_multi_N<N>.json and .png on rank 0.
+Writes benchmarks/results/cp_multi_N<N>[_tag].json and .png on rank 0.
 """
 from __future__ import annotations
 
@@ -34,10 +36,14 @@ def fwd_bwd(fn, q, k, v, dout):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seqs", type=int, nargs="+", default=[32768, 131072])
-    p.add_argument("--comms", nargs="+", default=["ring", "all_gather", "a2a"])
+    p.add_argument("--comms", nargs="+", default=["ring", "all_gather", "a2a", "auto"])
+    p.add_argument("--a2a-size", type=int, nargs="*", default=[],
+                   help="also run comm='a2a+p2p' with a2a groups of these sizes (each divides N)")
+    p.add_argument("--window", type=int, default=None, help="sliding window left size (causal)")
     p.add_argument("--heads", type=int, nargs=3, default=[16, 8, 256], metavar=("HQ", "HKV", "D"))
     p.add_argument("--softcap", type=float, default=50.0)
     p.add_argument("--rep-ms", type=int, default=300)
+    p.add_argument("--tag", default="", help="suffix of the output files: cp_multi_N<N>_<tag>.json")
     p.add_argument("--out-dir", default=RESULTS)
     p.add_argument("--dry-run", action="store_true")
     a = p.parse_args(argv)
@@ -53,6 +59,10 @@ def main(argv=None) -> int:
     hq, hkv, d = a.heads
     if not cuda:
         a.seqs, (hq, hkv, d), a.rep_ms = [256 * world], (4, 2, 32), 10
+    window = None if a.window is None else (a.window, 0)
+    runs = [(c, dist.group.WORLD) for c in a.comms]            # (label, group)
+    for size in a.a2a_size:                                   # collective: every rank builds them
+        runs.append((f"a2a+p2p/{size}", cps.make_hybrid_groups(None, size)))
     dtype = torch.bfloat16 if cuda else torch.float32
     records, rows = [], [["S", "N", "comm", "cp ms", "ideal ms", "ratio"]]
     for s in a.seqs:
@@ -61,17 +71,19 @@ def main(argv=None) -> int:
         ideal = None
         if rank == 0:
             qf, kf, vf = (t.clone().requires_grad_() for t in full[:3])
-            single = lambda q, k, v: cps.attention(q, k, v, softcap=a.softcap, causal=True)  # noqa: E731
+            single = lambda q, k, v: cps.attention(q, k, v, softcap=a.softcap, causal=True,  # noqa: E731
+                                                   window=window)
             ideal = bench_ms(fwd_bwd(single, qf, kf, vf, full[3]), rep_ms=a.rep_ms) / world
             del qf, kf, vf
         ideal_t = torch.tensor([ideal or 0.0], device=dev)
         dist.broadcast(ideal_t, 0)
         local = [shard(t, world, rank).contiguous() for t in full]
         del full
-        for comm in a.comms:
+        for label, group in runs:
+            comm = label.split("/")[0]
             q, k, v = (t.clone().requires_grad_() for t in local[:3])
-            fn = lambda q, k, v, c=comm: cps.cp_attention(q, k, v, dist.group.WORLD,  # noqa: E731
-                                                          softcap=a.softcap, causal=True, comm=c)
+            fn = lambda q, k, v, c=comm, g=group: cps.cp_attention(  # noqa: E731
+                q, k, v, g, softcap=a.softcap, causal=True, window=window, comm=c)
             try:
                 ms = bench_ms(fwd_bwd(fn, q, k, v, local[3]), rep_ms=a.rep_ms)
                 err = ""
@@ -81,17 +93,18 @@ def main(argv=None) -> int:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             ms = t.item()
             ratio = ms / ideal_t.item()
-            records.append(dict(S=s, N=world, comm=comm, ms=ms, ideal_ms=ideal_t.item(), ratio=ratio,
+            records.append(dict(S=s, N=world, comm=label, ms=ms, ideal_ms=ideal_t.item(), ratio=ratio,
                                 error=err or None))
-            rows.append([s, world, comm, f"{ms:.2f}" if not err else "ERR " + err[:40],
+            rows.append([s, world, label, f"{ms:.2f}" if not err else "ERR " + err[:40],
                          f"{ideal_t.item():.2f}", f"{ratio:.3f}"])
     if rank == 0:
-        meta = dict(world=world, heads=[hq, hkv, d], softcap=a.softcap, dtype=str(dtype),
+        meta = dict(world=world, heads=[hq, hkv, d], softcap=a.softcap, dtype=str(dtype), window=window,
                     backend="nccl" if cuda else "gloo",
                     ratio="max-over-ranks fwd+bwd time / (single-GPU full attention / N)")
-        path = save(f"cp_multi_N{world}", records, meta, a.out_dir)
+        stem = f"cp_multi_N{world}" + (f"_{a.tag}" if a.tag else "")
+        path = save(stem, records, meta, a.out_dir)
         labels = [f"{r['S'] // 1024}K {r['comm']}" for r in records]
-        bar_plot(os.path.join(a.out_dir, f"cp_multi_N{world}.png"), labels,
+        bar_plot(os.path.join(a.out_dir, stem + ".png"), labels,
                  {"ratio": [r["ratio"] for r in records]}, "time / ideal",
                  f"cp_attention fwd+bwd, N={world}, softcap {a.softcap}", hline=1.0)
         print(table(rows))

@@ -23,6 +23,9 @@
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh native
 #                                      # (call 2): CP GPU tests, cp_sim with bf16 dK/dV returns,
 #                                      #   window 4095 with CUDA graphs, profile at cp 8
+#   bash .fa4b/install.sh && bash scripts/gpu_check.sh multi
+#                                      # (call 2, on a several-GPU kind): cp_multi with every
+#                                      #   comm (a2a+p2p where the GPU count allows), and window 4095
 # Dry run on CPU (no GPU): GPU_CHECK_DRY=1 bash scripts/gpu_check.sh all
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -142,6 +145,16 @@ if [ "$phase" = native ]; then                  # after fa4 is installed
   timeout 100 $PY benchmarks/cp_sim.py $bench_args --rep-ms 150 --seqs 32768 131072 --cps 8 \
       --block-keys 32768 --profile --tag native_profile 2>&1 | grep -v USDT | tail -36 || rc=1
   cp $bench_out/cp_sim_native*.json $bench_out/cp_sim_native*.png "$OUT/" 2>/dev/null
+fi
+if [ "$phase" = multi ]; then                   # on a machine with several GPUs (fa4 installed)
+  n=$($PY -c "import torch; print(torch.cuda.device_count())")
+  sizes=""; for a in 2 4; do [ $((n % a)) = 0 ] && [ "$a" -lt "$n" ] && sizes="$sizes $a"; done
+  step "cp_multi: N=$n GPUs, NCCL, ring / all_gather / a2a / auto${sizes:+ / a2a+p2p ($sizes)}"
+  timeout 280 torchrun --nproc-per-node "$n" benchmarks/cp_multi.py --rep-ms 150 ${sizes:+--a2a-size $sizes} 2>&1 | tail -14 || rc=1
+  cp $bench_out/cp_multi_N$n.json $bench_out/cp_multi_N$n.png "$OUT/" 2>/dev/null
+  step "cp_multi: N=$n, Gemma2 local layers (window 4095)"
+  timeout 200 torchrun --nproc-per-node "$n" benchmarks/cp_multi.py --rep-ms 150 --window 4095 --tag window ${sizes:+--a2a-size $sizes} 2>&1 | tail -14 || rc=1
+  cp $bench_out/cp_multi_N${n}_window.* "$OUT/" 2>/dev/null
 fi
 step "done rc=$rc"
 exit $rc
