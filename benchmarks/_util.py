@@ -9,14 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import signal
 import statistics
 import sys
-import tempfile
 import time
-import traceback
-from datetime import timedelta
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
@@ -94,42 +89,6 @@ def table(rows: List[List[str]]) -> str:
 
 # --------------------------------------------------------------------------- gloo ranks on CPU
 
-def _rank_entry(fn, rank, world, init_file, results, args, pg_timeout, pin_cores):
-    """One spawned rank: one thread (optionally pinned to one core), gloo via the rendezvous
-    file, fn(rank, world, *args); puts (rank, "ok", value) or (rank, "error", traceback)."""
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    if pin_cores:       # before init_process_group, so gloo's threads inherit the pinning
-        try:
-            cores = sorted(os.sched_getaffinity(0))
-            os.sched_setaffinity(0, {cores[rank % len(cores)]})
-        except (AttributeError, OSError):
-            pass
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=pg_timeout))
-        results.put((rank, "ok", fn(rank, world, *args)))
-    except BaseException:   # report everything, KeyboardInterrupt / SystemExit included
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
-
-
-def _exit_text(code: int) -> str:
-    if code >= 0:
-        return f"exit code {code}"
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        name = f"signal {-code}"
-    hint = " (out of memory? the OOM killer sends SIGKILL)" if -code == signal.SIGKILL else ""
-    return f"killed by {name}, exit code {code}{hint}"
-
-
 def launch_ranks(fn: Callable, world: int, args: Sequence = (), env: Optional[Mapping[str, str]] = None,
                  timeout: float = 900.0, *, pg_timeout: float = 600.0, pin_cores: bool = False,
                  poll_s: float = 1.0) -> List:
@@ -144,73 +103,23 @@ def launch_ranks(fn: Callable, world: int, args: Sequence = (), env: Optional[Ma
 
     Raises RuntimeError, after every process is gone (joined, or killed): with the traceback of
     the lowest rank that raised; for a rank that exited without reporting, with its exit code or
-    signal; or when ranks are still running after `timeout` seconds, naming them."""
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
+    signal; or when ranks are still running after `timeout` seconds, naming them.
+    The process handling is cp_softcap.ranks.spawn_ranks (shared with tests_dist)."""
+    from cp_softcap.ranks import failure_text, spawn_ranks
     env = dict(env or {})
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            results = ctx.Queue()
-            procs = [ctx.Process(target=_rank_entry, daemon=True,
-                                 args=(fn, r, world, os.path.join(tmp, "rdzv"), results, tuple(args),
-                                       pg_timeout, pin_cores))
-                     for r in range(world)]
-            for p in procs:
-                p.start()
-            got, errors = {}, {}
-
-            def take(item):
-                r, status, value = item
-                (got if status == "ok" else errors)[r] = value
-
-            deadline = time.monotonic() + timeout
-            try:
-                while len(got) + len(errors) < world and not errors:
-                    try:
-                        take(results.get(timeout=poll_s))
-                        continue
-                    except queue.Empty:
-                        pass
-                    gone = [r for r, p in enumerate(procs)
-                            if r not in got and r not in errors and p.exitcode is not None]
-                    if gone:
-                        time.sleep(poll_s)      # a last report may still be in the queue's pipe
-                        try:
-                            while True:
-                                take(results.get_nowait())
-                        except queue.Empty:
-                            pass
-                        for r in gone:
-                            if r not in got and r not in errors:
-                                errors[r] = (f"process exited without a report: "
-                                             f"{_exit_text(procs[r].exitcode)}")
-                    if not errors and time.monotonic() > deadline:
-                        missing = sorted(set(range(world)) - set(got))
-                        raise RuntimeError(
-                            f"{fn.__name__}: ranks {missing} of {world} did not finish within "
-                            f"timeout={timeout}s (process-group timeout {pg_timeout}s, "
-                            f"CP_SOFTCAP_TIMEOUT={os.environ.get('CP_SOFTCAP_TIMEOUT', '(unset)')}); "
-                            f"ranks {sorted(got)} had reported")
-            finally:
-                done = len(got) == world
-                for p in procs:
-                    p.join(timeout=10 if done else 1)
-                for p in procs:
-                    if p.is_alive():
-                        p.kill()
-                        p.join(timeout=5)
-            if errors:
-                r = min(errors)
-                others = sorted(set(errors) - {r})
-                raise RuntimeError(f"{fn.__name__}: rank {r} of {world} failed"
-                                   + (f" (ranks {others} failed too)" if others else "")
-                                   + f":\n{errors[r]}")
-            return [got[r] for r in range(world)]
-    finally:
-        for k, old in saved.items():
-            if old is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = old
+    out, running = spawn_ranks(fn, world, args, ctx="spawn", deadline_s=timeout, env=env,
+                               env_at_start=True, pg_timeout=pg_timeout, pin_cores=pin_cores,
+                               poll_s=poll_s, grace_s=10.0)
+    failed = sorted(r for r, (status, _) in out.items() if status != "ok")
+    if failed:
+        r, others = failed[0], failed[1:]
+        raise RuntimeError(f"{fn.__name__}: rank {r} of {world} failed"
+                           + (f" (ranks {others} failed too)" if others else "")
+                           + f":\n{failure_text(out[r])}")
+    if running:
+        knob = env.get("CP_SOFTCAP_TIMEOUT", os.environ.get("CP_SOFTCAP_TIMEOUT", "(unset)"))
+        raise RuntimeError(
+            f"{fn.__name__}: ranks {running} of {world} did not finish within "
+            f"timeout={timeout}s (process-group timeout {pg_timeout}s, "
+            f"CP_SOFTCAP_TIMEOUT={knob}); ranks {sorted(out)} had reported")
+    return [out[r][1] for r in range(world)]

@@ -10,14 +10,14 @@ end, whatever happened; a rank that is meant to die SIGKILLs itself."""
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import time
 
 import pytest
 import torch
 
-from harness import _CTX, _entry
+from cp_softcap.ranks import spawn_ranks
+from harness import _CTX
 
 TIMEOUT_S = 3.0                  # CP_SOFTCAP_TIMEOUT for these tests (default 120 s)
 ENV = {"CP_SOFTCAP_TIMEOUT": str(TIMEOUT_S)}
@@ -27,45 +27,12 @@ def spawn(fn, world, *args, deadline_s=60.0, env=ENV):
     """Run fn(rank, world, *args) on `world` processes. Unlike harness.run_ranks, a rank dying or
     raising is an outcome, not a failure: returns {rank: ("ok", value) | ("error", traceback) |
     ("exit", exitcode)}. Every process is killed before returning."""
-    import tempfile
-    with tempfile.TemporaryDirectory() as tmp:
-        results = _CTX.Queue()
-        procs = [_CTX.Process(target=_entry, args=(fn, r, world, os.path.join(tmp, "rdzv"), results,
-                                                   args, dict(env)), daemon=True)
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        out = {}
-        end = time.monotonic() + deadline_s
-        try:
-            while len(out) < world and time.monotonic() < end:
-                try:
-                    rank, status, value = results.get(timeout=0.2)
-                    out[rank] = (status, value)
-                    continue
-                except queue.Empty:
-                    pass
-                for r, p in enumerate(procs):
-                    if r not in out and p.exitcode is not None:
-                        time.sleep(0.3)          # a report may still be in the queue's pipe
-                        try:
-                            while True:
-                                rank, status, value = results.get_nowait()
-                                out[rank] = (status, value)
-                        except queue.Empty:
-                            pass
-                        if r not in out:
-                            out[r] = ("exit", p.exitcode)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join(timeout=5)
-        missing = sorted(set(range(world)) - set(out))
-        if missing:
-            pytest.fail(f"ranks {missing} neither finished nor failed within {deadline_s}s: a hang; "
-                        f"outcomes so far: {out}")
-        return out
+    out, running = spawn_ranks(fn, world, args, ctx=_CTX, deadline_s=deadline_s, env=env,
+                               pg_timeout=60.0, poll_s=0.2, stop_on_failure=False, grace_s=0.0)
+    if running:
+        pytest.fail(f"ranks {running} neither finished nor failed within {deadline_s}s: a hang; "
+                    f"outcomes so far: {out}")
+    return out
 
 
 def _qkv(s_local=8, hq=4, hkv=2, d=8, dtype=torch.float32, seed=0, grad=True):
