@@ -82,6 +82,20 @@ def bar_plot(path: str, labels: List[str], series: Dict[str, List[float]], ylabe
     plt.close(fig)
 
 
+def case_plot(path: str, records: List[Dict], series_of: Callable[[Dict], str], ylabel: str,
+              title: str) -> None:
+    """bar_plot of records' "tflops", one bar group per (model, S, mode) and one series per
+    series_of(record); records without "tflops" are left out."""
+    case = lambda r: f"{r['model']} {r['S'] // 1024}K {r['mode']}"   # noqa: E731
+    ok = [r for r in records if "tflops" in r]
+    labels = sorted({case(r) for r in ok})
+    series: Dict[str, Dict[str, float]] = {}
+    for r in ok:
+        series.setdefault(series_of(r), {})[case(r)] = r["tflops"]
+    bar_plot(path, labels, {n: [v.get(lbl, float("nan")) for lbl in labels] for n, v in series.items()},
+             ylabel, title)
+
+
 def table(rows: List[List[str]]) -> str:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows)
