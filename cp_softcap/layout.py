@@ -180,6 +180,7 @@ def block_plan(cp: int, rank: int, chunk: int, window: Window, steps: Tuple[int,
     return tuple(slots), tuple(calls)
 
 
+@lru_cache(maxsize=4096)
 def block_exclusive(cp: int, rank: int, chunk: int, window: Window, steps: Tuple[int, ...]) -> bool:
     """True when every key of rank's block (block_plan) is read by at most one kernel call:
     each key's dK/dV is then ONE kernel partial, so it can travel in the kernel's own dtype and
