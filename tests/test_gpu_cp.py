@@ -71,3 +71,48 @@ def test_ring_on_one_gpu(backend, world):
 def test_other_comms_and_window_with_fa4(comm, window):
     _skip_unless("fa4")
     run_ranks(_worker, 2, "fa4", comm, window, timeout=300)
+
+
+def _bitwise_worker(rank, world, window, keys):
+    """fa4's bf16 dK/dV partials returned as they are vs the same run forced to float32 returns
+    (what the ring did before): the gradients must be bitwise equal."""
+    import torch.distributed as dist
+
+    import cp_softcap as cps
+    from cp_softcap.cp import ring
+    from cp_softcap.kernels.base import grad_dtype
+    from cp_softcap.sharding import shard
+    os.environ["CP_SOFTCAP_RING_BLOCK_KEYS"] = keys
+    torch.manual_seed(99)
+    q, dout = (torch.randn(1, 256 * world, 4, 128).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, 256 * world, 2, 128).to(torch.bfloat16) for _ in range(2))
+    exact_return, bf16_blocks, grads = ring.return_dtype, [0], []
+
+    def counted(*args):
+        dt = exact_return(*args)
+        bf16_blocks[0] += dt == torch.bfloat16
+        return dt
+    for returns in (counted, lambda kernel, dtype, *_: grad_dtype(dtype)):
+        ring.return_dtype = returns
+        local = [shard(t, world, rank).cuda().requires_grad_() for t in (q, k, v)]
+        out = cps.cp_attention(*local, dist.group.WORLD, backend="fa4", softcap=30.0, causal=True,
+                               window=window)
+        out.backward(shard(dout, world, rank).cuda())
+        grads.append([t.grad.cpu() for t in local])
+    return all(torch.equal(a, b) for a, b in zip(*grads)), bf16_blocks[0]
+
+
+@pytest.mark.parametrize("window", [None, (200, 0)])        # (200, 0): rank 3's blocks mix dtypes
+@pytest.mark.parametrize("keys", ["0", str(1 << 20)])
+def test_fa4_bf16_returns_are_bitwise_float32_returns(window, keys):
+    _skip_unless("fa4")
+    results = run_ranks(_bitwise_worker, 4, window, keys, timeout=300)
+    assert all(same for same, _ in results), results
+    assert sum(n for _, n in results) > 0, results
+
+
+def test_a2a_with_replicated_kv_heads_with_fa4():
+    """4 ranks, 2 KV heads: each KV head lives on two ranks; their bf16 gradients are summed in
+    float32 on the way back."""
+    _skip_unless("fa4")
+    run_ranks(_worker, 4, "fa4", "a2a", None, timeout=300)
