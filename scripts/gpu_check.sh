@@ -52,7 +52,7 @@ EOF
 
 tests_common="tests/test_gpu_merge.py tests/test_kernel_adapters.py"
 bench_out=benchmarks/results
-if [ "$dry" = 1 ]; then bench_args="--dry-run"; export CP_SOFTCAP_GPU_TESTS_ON_CPU=1; else bench_args=""; fi
+if [ "$dry" = 1 ]; then bench_args="--dry-run --out-dir $OUT"; export CP_SOFTCAP_GPU_TESTS_ON_CPU=1; else bench_args=""; fi
 
 if [ "$phase" = nofa4 ] || [ "$phase" = all ]; then
   step "GPU tests (flex, sdpa, merge; fa4 skipped unless installed)"
@@ -139,6 +139,8 @@ if [ "$phase" = native ]; then                  # after fa4 is installed
   timeout 150 $PY -m pytest tests/test_gpu_cp.py -q -rs -n 3 -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cp.log" | tail -8 || rc=1
   step "cp_sim: block keys 16384 / 32768, cp 4/8, 32K and 128K (native-dtype dK/dV returns)"
   timeout 150 $PY benchmarks/cp_sim.py $bench_args --rep-ms 300 --cps 4 8 --block-keys 16384 32768 --tag native 2>&1 | tail -20 || rc=1
+  step "cp_sim: Gemma2-27B heads (32/16, D 128), cp 8, 32768 block keys"
+  timeout 100 $PY benchmarks/cp_sim.py $bench_args --rep-ms 150 --cps 8 --block-keys 32768 --heads 32 16 128 --tag native_27b 2>&1 | tail -6 || rc=1
   step "cp_sim: window 4095, cp 8, with CUDA-graph replay (host-bound?)"
   timeout 120 $PY benchmarks/cp_sim.py $bench_args --rep-ms 150 --cps 8 --block-keys 32768 --window 4095 --graph --tag native_window 2>&1 | tail -8 || rc=1
   step "cp_sim profile: 32K and 128K, cp 8, 32768 block keys"
