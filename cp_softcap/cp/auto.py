@@ -24,8 +24,8 @@ the flash-attn family (NativeGradKernel), g for the torch kernel; default g).
       Causal: an earlier rank's second chunk is never visible, so sends to later ranks are c keys,
       not 2c; every rank's total is the same when 2e == g (bf16 inputs, float32 dK/dV; with bf16
       partials later ranks send more). Window (L, 0): about L keys per visible source.
-      Causal zigzag blocks are always exclusive; a window can make a source's keys span several
-      kernel calls, and then that rank's whole block returns float32.
+      Causal zigzag blocks are always exclusive; with a window two calls (the rank's two query
+      chunks) can read the same keys, and then that rank's whole block returns float32.
   all_gather (cp/all_gather.py): fwd (cp-1) * n * kv * e (two half-shard gathers); bwd the same
       re-gather + (cp-1) * n * kv * g (float32 reduce-scatter of dK/dV). Window-independent.
   a2a (cp/a2a.py, ulysses.py; needs Hq % cp == 0; h = Hq/cp, hk = KV heads per rank with
@@ -85,21 +85,19 @@ def _ring(cp: int, chunk: int, window: Window, kv_e: int, kv_g: int, kv_p: int,
     """Per ring rank: bytes sent per op. kv_e / kv_g / kv_p: bytes of one key's K+V in the input
     / gradient / kernel partial dtype (all heads, whole batch). block_keys: as ring.py's
     layout.block_keys() (None: read it from the environment, as ring.py does)."""
-    blocks = None
-    if kv_p != kv_g:      # otherwise every block returns gradient bytes: blocks do not matter
-        keys = _env_block_keys() if block_keys is None else block_keys
-        blocks = ring_blocks(cp, 2 * chunk, keys)
+    if block_keys is None:
+        # with partials of the gradient's size the grouping into blocks changes no byte count,
+        # so the environment is read only when it matters (as the ring reads it)
+        block_keys = _env_block_keys() if kv_p != kv_g else 0
+    blocks = ring_blocks(cp, 2 * chunk, block_keys)
     out = []
     for r in range(cp):
         send = sum(_keys(key_range(cp, q, r, chunk, window)) for q in range(cp) if q != r)
-        if blocks is None:
-            dkv = sum(_keys(key_range(cp, r, s, chunk, window)) for s in range(cp) if s != r) * kv_g
-        else:
-            dkv = 0
-            for steps in blocks:
-                slots, _ = block_plan(cp, r, chunk, window, steps)
-                per_key = kv_p if block_exclusive(cp, r, chunk, window, steps) else kv_g
-                dkv += sum(s.k1 - s.k0 for s in slots) * per_key
+        dkv = 0
+        for steps in blocks:
+            slots, _ = block_plan(cp, r, chunk, window, steps)
+            per_key = kv_p if block_exclusive(cp, r, chunk, window, steps) else kv_g
+            dkv += sum(s.k1 - s.k0 for s in slots) * per_key
         ops = {"ring.fwd.kv": send * kv_e, "ring.bwd.kv": send * kv_e, "ring.bwd.dkv": dkv}
         out.append({k: v for k, v in ops.items() if v})
     return out
