@@ -23,6 +23,11 @@
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh native
 #                                      # (call 2): CP GPU tests, cp_sim with bf16 dK/dV returns,
 #                                      #   window 4095 with CUDA graphs, profile at cp 8
+#   bash .fa4b/install.sh && bash scripts/gpu_check.sh fa2
+#                                      # (call 2, carry [".fa4b", ".fa2"]; scripts/stage_fa2.sh
+#                                      #   fills .fa2/ first): installs the flash-attn 2 wheel,
+#                                      #   fa2 kernel tests, CP tests with fa2 forced, fa2 next to
+#                                      #   fa4/flex/cuDNN in the kernel benchmark
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh multi
 #                                      # (call 2, on a several-GPU kind): cp_multi with every
 #                                      #   comm (a2a+p2p where the GPU count allows), and window 4095
@@ -133,6 +138,23 @@ if [ "$phase" = accum ]; then                   # after fa4 is installed
   timeout 100 $PY benchmarks/cp_sim.py $bench_args --rep-ms 150 --seqs 32768 131072 --cps 8 \
       --block-keys 32768 --profile --tag accum_profile 2>&1 | grep -v USDT | tail -40 || rc=1
   cp $bench_out/cp_sim_accum*.json $bench_out/cp_sim_accum.png $bench_out/cp_sim_window.* "$OUT/" 2>/dev/null
+fi
+if [ "$phase" = fa2 ]; then                     # after fa4 is installed; .fa2/ carried
+  step "install flash-attn 2 from .fa2/"
+  if ls .fa2/flash_attn-*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-deps --no-index --no-compile .fa2/flash_attn-*.whl 2>&1 | tail -3
+  fi
+  $PY -c "import flash_attn, flash_attn_2_cuda; print('flash-attn', flash_attn.__version__)" 2>&1 | tee "$OUT/fa2_import.txt" || rc=1
+  step "GPU tests: fa2 (softcap 1-50 fwd+bwd, windows per chunk pair, empty rows, GQA, D 64/128/256, fp16)"
+  timeout 200 $PY -m pytest tests/test_gpu_kernels.py tests/test_kernel_adapters.py -q -rs -n 4 \
+      -p no:cacheprovider -k "fa2" 2>&1 | tee "$OUT/pytest_fa2.log" | tail -15 || rc=1
+  step "GPU CP tests with fa2 forced: ring / all_gather / a2a, 2 and 4 ranks on one GPU"
+  timeout 200 $PY -m pytest tests/test_gpu_cp.py -q -rs -n 4 -p no:cacheprovider -k "fa2" 2>&1 \
+      | tee "$OUT/pytest_cp_fa2.log" | tail -12 || rc=1
+  step "kernel benchmark: fa2 next to fa4, flex and cuDNN (9B/27B heads, 8K/32K)"
+  timeout 240 $PY benchmarks/kernels.py $bench_args --rep-ms 100 --pairs fa2:50 fa2:0 fa4:50 flex:50 \
+      --tag fa2 2>&1 | tail -40 || rc=1
+  cp $bench_out/kernels_fa2.json $bench_out/kernels_fa2.png "$OUT/" 2>/dev/null
 fi
 if [ "$phase" = native ]; then                  # after fa4 is installed
   step "GPU CP tests: 2 and 4 ranks on one GPU (fa4 bf16 dK/dV returns in the ring)"

@@ -73,6 +73,16 @@ def test_other_comms_and_window_with_fa4(comm, window):
     run_ranks(_worker, 2, "fa4", comm, window, timeout=300)
 
 
+@pytest.mark.parametrize("comm,world,window", [
+    ("ring", 2, None), ("ring", 4, None), ("ring", 4, (200, 0)), ("all_gather", 2, None),
+    ("all_gather", 4, (200, 0)), ("a2a", 2, None), ("a2a", 4, None)])
+def test_cp_with_fa2(comm, world, window):
+    """flash-attn 2 as the per-chunk kernel of every comm type (a2a at 4 ranks replicates the 2
+    KV heads); ring windows give chunk pairs with empty rows (+inf LSE from flash-attn 2)."""
+    _skip_unless("fa2")
+    run_ranks(_worker, world, "fa2", comm, window, timeout=300)
+
+
 def _bitwise_worker(rank, world, window, keys):
     """fa4's bf16 dK/dV partials returned as they are vs the same run forced to float32 returns
     (what the ring did before): the gradients must be bitwise equal."""

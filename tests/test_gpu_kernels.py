@@ -69,10 +69,29 @@ def test_softcap_causal_gqa_bf16(name, softcap):
     run_case(kernel, 2, 256, 256, 4, 2, 128, torch.bfloat16, softcap, (None, 0))
 
 
+@pytest.mark.parametrize("d", [64, 256])
 @pytest.mark.parametrize("name", CAPPED)
-def test_head_dim_256(name):
-    kernel = kernel_or_skip(name, d=256)
-    run_case(kernel, 1, 256, 256, 4, 2, 256, torch.bfloat16, 50.0, (None, 0))
+def test_head_dims(name, d):
+    kernel = kernel_or_skip(name, d=d)
+    run_case(kernel, 1, 256, 256, 4, 2, d, torch.bfloat16, 50.0, (None, 0))
+
+
+@pytest.mark.skipif(DRY, reason="needs the installed flash-attn 2")
+def test_fa2_installed_signature_carries_softcap_in_backward():
+    """The installed flash-attn 2 is told apart by parameter names, and its backward takes the
+    cap (2.6.2+); a backward without it would silently train uncapped."""
+    kernel_or_skip("fa2")
+    from cp_softcap.kernels.fa2 import backward_has_softcap, signature_family
+    mod = get_kernel("fa2")._interface()
+    family, reason = signature_family(mod._flash_attn_forward, mod._flash_attn_backward)
+    assert family in ("split", "tuple") and reason is None, reason
+    assert backward_has_softcap(mod._flash_attn_backward)
+
+
+@pytest.mark.parametrize("name", ["fa2", "fa4", "flex"])
+def test_fp16_softcap_window(name):
+    kernel = kernel_or_skip(name, dtype=torch.float16, softcap=30.0)
+    run_case(kernel, 1, 256, 192, 4, 2, 128, torch.float16, 30.0, (100, 60))
 
 
 # Shifted, non-causal windows with Sq != Sk: what a windowed ring passes per chunk pair,
@@ -95,7 +114,7 @@ def test_lse_gradient(name):
     run_case(kernel, 1, 256, 256, 4, 2, 128, torch.bfloat16, 30.0, (None, 0), dlse=True)
 
 
-@pytest.mark.parametrize("name", ["fa4", "flex", "sdpa"])
+@pytest.mark.parametrize("name", ["fa4", "flex", "sdpa", "fa2"])
 def test_backward_with_final_merged_lse_is_exact(name):
     """The ring property: per-chunk backward with the FINAL merged (out, lse) sums to the
     full-attention gradients (dK/dV of each chunk, dQ summed over chunks)."""
