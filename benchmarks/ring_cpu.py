@@ -5,7 +5,7 @@
 
 Each cp size is one launch of cp processes (gloo, file rendezvous, one thread per rank, rank r
 pinned to core r % ncores). Only public entry points are used: cps.cp_attention for the ring,
-cp_softcap.layout (needs, plan_step; block_plan / ring_blocks / block_keys when present) for the
+cp_softcap.layout (needs, plan_step; block_plan / ring_blocks when present) for the
 geometry, cp_softcap.kernels.get_kernel("torch") for the kernel and cp_softcap.merge for merges.
 
 Time. Every rep: barrier, ring call (cp_attention, comm="ring", softcap 50, causal), barrier,
@@ -58,10 +58,11 @@ def _ring_calls(cp, rank, chunk):
     """[(n_keys_of_buffer, calls)] the ring makes, from layout.block_plan; None if the layout
     has no block API (the pre-coalescing ring: one plan_step per step)."""
     from cp_softcap import layout
-    if not all(hasattr(layout, n) for n in ("block_plan", "ring_blocks", "block_keys")):
+    from cp_softcap.settings import ring_block_keys
+    if not all(hasattr(layout, n) for n in ("block_plan", "ring_blocks")):
         return None
     out = [(2 * chunk, tuple(layout.plan_step(cp, rank, rank, chunk, WINDOW)))]
-    for steps in layout.ring_blocks(cp, 2 * chunk, layout.block_keys()):
+    for steps in layout.ring_blocks(cp, 2 * chunk, ring_block_keys()):
         slots, calls = layout.block_plan(cp, rank, chunk, WINDOW, tuple(steps))
         out.append((sum(s.k1 - s.k0 for s in slots), tuple(calls)))
     return out

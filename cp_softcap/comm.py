@@ -7,7 +7,6 @@ wait (a debug/testing mode that lets several ranks share one GPU; NCCL is the pr
 """
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from datetime import timedelta
 from typing import Dict, List
@@ -15,20 +14,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT_S = 120.0
-
-
-def timeout_s() -> float:
-    """Seconds a CP collective may wait for a peer (env CP_SOFTCAP_TIMEOUT, default 120)."""
-    raw = os.environ.get("CP_SOFTCAP_TIMEOUT", "")
-    try:
-        value = float(raw) if raw else DEFAULT_TIMEOUT_S
-    except ValueError:
-        raise ValueError(f"CP_SOFTCAP_TIMEOUT must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"CP_SOFTCAP_TIMEOUT must be positive, got {value}")
-    return value
-
+from .settings import timeout_s
 
 class ByteCounter:
     """Bytes this rank sent, per operation name. `with counting() as c:` scopes a measurement."""

@@ -191,23 +191,6 @@ def block_exclusive(cp: int, rank: int, chunk: int, window: Window, steps: Tuple
     return all(prev[1] <= nxt[0] for prev, nxt in zip(spans, spans[1:]))
 
 
-DEFAULT_BLOCK_KEYS = 32768      # measured best on H200 at 32K/128K, cp 4/8 (benchmarks/RESULTS.md)
-
-
-def block_keys() -> int:
-    """Keys a ring block aims for (env CP_SOFTCAP_RING_BLOCK_KEYS, default 32768; 0 = one step
-    per block)."""
-    import os
-    raw = os.environ.get("CP_SOFTCAP_RING_BLOCK_KEYS", "")
-    try:
-        value = int(raw) if raw else DEFAULT_BLOCK_KEYS
-    except ValueError:
-        raise ValueError(f"CP_SOFTCAP_RING_BLOCK_KEYS must be an integer number of keys, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"CP_SOFTCAP_RING_BLOCK_KEYS must be >= 0, got {value}")
-    return value
-
-
 def ring_blocks(cp: int, local_len: int, keys: int) -> Tuple[Tuple[int, ...], ...]:
     """Steps 1..cp-1 split into consecutive blocks of max(1, keys // local_len) steps. The same
     on every rank (local_len is), so every rank posts its messages in the same global order."""

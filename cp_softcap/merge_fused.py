@@ -18,6 +18,8 @@ import os
 
 import torch
 
+from .settings import fused_merge
+
 try:                                   # triton ships with CUDA builds of torch only
     import triton
     import triton.language as tl
@@ -28,7 +30,7 @@ except Exception:                      # pragma: no cover - CPU builds
 def available(t: torch.Tensor) -> bool:
     """Fused merge usable for accumulator `t`: CUDA (or TRITON_INTERPRET=1), float32, triton
     importable, and not disabled with CP_SOFTCAP_FUSED_MERGE=0."""
-    if triton is None or os.environ.get("CP_SOFTCAP_FUSED_MERGE", "1") == "0":
+    if triton is None or not fused_merge():
         return False
     if t.dtype != torch.float32:
         return False

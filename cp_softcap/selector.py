@@ -12,12 +12,12 @@ Preference (fastest verified first; figures from anchors.md / benchmarks/RESULTS
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from . import settings
 from .kernels import KERNEL_NAMES, get_kernel
 from .kernels.base import Kernel
 from .spec import AttnSpec
@@ -63,7 +63,7 @@ RULES: Tuple[Rule, ...] = (
          lambda s, k: "cannot back-propagate through the returned LSE (no dLSE input)"),
     Rule(("*",), lambda s, k: s.deterministic and s.needs_backward and not k.caps.deterministic_backward,
          lambda s, k: "has no deterministic backward and torch.use_deterministic_algorithms is on"),
-    Rule(("fa3",), lambda s, k: os.environ.get("CP_SOFTCAP_FA3") != "1",
+    Rule(("fa3",), lambda s, k: not settings.fa3_enabled(),
          lambda s, k: "opt-in only: set CP_SOFTCAP_FA3=1 (single device, never under CP)"),
     Rule(("fa3",), lambda s, k: s.cp_size > 1,
          lambda s, k: f"never under context parallelism (cp={s.cp_size}): the mission excludes FA3 there"),
@@ -108,7 +108,7 @@ _SELECTIONS: Dict[Tuple[AttnSpec, Optional[str], bool], Selection] = {}
 
 def requested_backend(backend: Optional[str]) -> Optional[str]:
     """backend= argument, else CP_SOFTCAP_BACKEND, else None (auto)."""
-    name = backend if backend not in (None, "auto") else os.environ.get("CP_SOFTCAP_BACKEND") or None
+    name = backend if backend not in (None, "auto") else settings.backend()
     if name in (None, "auto"):
         return None
     if name not in KERNEL_NAMES:
@@ -121,7 +121,7 @@ def select(spec: AttnSpec, backend: Optional[str] = "auto") -> Selection:
     """Pick the kernel for `spec`. Cached per (spec, backend). Raises ValueError when a forced
     backend cannot serve the spec, or when no kernel can (naming every kernel's reason)."""
     forced = requested_backend(backend)
-    key = (spec, forced, os.environ.get("CP_SOFTCAP_FA3") == "1")   # the fa3 rule reads the env
+    key = (spec, forced, settings.fa3_enabled())   # the fa3 rule reads the setting
     if key in _SELECTIONS:
         return _SELECTIONS[key]
     reasons = {name: rejection(name, spec) for name in KERNEL_NAMES}

@@ -230,7 +230,7 @@ def test_window_non_exclusive_block_keeps_float32(block_keys, dkv_elems):
 
 
 def test_block_keys_default_is_the_environment(monkeypatch):
-    """block_keys=None reads CP_SOFTCAP_RING_BLOCK_KEYS as the ring does (layout.block_keys())."""
+    """block_keys=None reads CP_SOFTCAP_RING_BLOCK_KEYS as the ring does (settings.ring_block_keys())."""
     sp, s = spec_of(W_CP, window=W_WIN, hkv=2, d=8), 2 * W_CP * W_C
     for env in ("0", "16384"):
         monkeypatch.setenv("CP_SOFTCAP_RING_BLOCK_KEYS", env)

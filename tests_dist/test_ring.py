@@ -36,8 +36,9 @@ BLOCK_SUBSET = (2, 4, 5, 6, 7, 11)
 
 
 def _worker(rank, world, comm, subset=None):
-    from cp_softcap.layout import block_keys, ring_blocks
-    blocks = ring_blocks(world, cases_for(world)[0]["s"] // world, block_keys())
+    from cp_softcap.layout import ring_blocks
+    from cp_softcap.settings import ring_block_keys
+    blocks = ring_blocks(world, cases_for(world)[0]["s"] // world, ring_block_keys())
     return blocks, [run_case(case, seed=1000 + i, comm=comm) for i, case in enumerate(cases_for(world))
                     if subset is None or i in subset]
 
@@ -48,7 +49,7 @@ def _block_keys(world: int, steps: int) -> str:
 
 
 # (CP_SOFTCAP_RING_BLOCK_KEYS or None for the default, world, expected ring blocks, cases).
-# Default (every case): these shapes are far below layout.DEFAULT_BLOCK_KEYS, so all steps form
+# Default (every case): these shapes are far below settings.DEFAULT_RING_BLOCK_KEYS, so all steps form
 # one block and fully visible steps run as one call over concatenated keys.
 # "0" and "1" key: one step per block (cp 2 is that under any setting), so block i+1's K/V and
 # block i's dK/dV are in flight while block i computes. 2 steps: multi-step blocks AND several
@@ -64,7 +65,7 @@ BLOCKINGS = [(None, w, (tuple(range(1, w)),) if w > 1 else (), None) for w in (1
 @pytest.mark.parametrize("keys,world,blocks,subset", BLOCKINGS,
                          ids=[f"cp{w}-keys{k or 'default'}" for k, w, _, _ in BLOCKINGS])
 def test_ring_matches_float64_reference(keys, world, blocks, subset):
-    # "" is the default (layout.DEFAULT_BLOCK_KEYS), also when the caller's shell exports another value
+    # "" is the default (settings.DEFAULT_RING_BLOCK_KEYS), also when the caller's shell exports another value
     env = {"CP_SOFTCAP_RING_BLOCK_KEYS": "" if keys is None else keys}
     results = run_ranks(_worker, world, "ring", subset, timeout=240, env=env)
     for got, _ in results:               # the env reached the ring: the blocks it used

@@ -14,7 +14,7 @@ p = the kernel's dK/dV partial bytes (partial_bytes=: kernel.partial_dtype(dtype
 the flash-attn family (NativeGradKernel), g for the torch kernel; default g).
   ring (cp/ring.py; send_keys(r) = sum over receivers q != r of |key_range(cp, q, r, c, window)|;
         blocks = layout.ring_blocks(cp, n, block_keys), block_keys= defaulting to
-        layout.block_keys() (env CP_SOFTCAP_RING_BLOCK_KEYS)):
+        settings.ring_block_keys() (CP_SOFTCAP_RING_BLOCK_KEYS)):
       ring.fwd.kv   send_keys(r) * kv * e      K/V of the keys each receiver's queries see
       ring.bwd.kv   send_keys(r) * kv * e      backward re-sends the same K/V (nothing S-sized kept)
       ring.bwd.dkv  sum over blocks of keys(r, block) * kv * (p if layout.block_exclusive(cp, r,
@@ -47,7 +47,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 from ..layout import block_exclusive, block_plan, key_range, ring_blocks
-from ..layout import block_keys as _env_block_keys
+from ..settings import ring_block_keys
 from ..spec import AttnSpec, Window
 from .ulysses import kv_head_index
 
@@ -84,11 +84,11 @@ def _ring(cp: int, chunk: int, window: Window, kv_e: int, kv_g: int, kv_p: int,
           block_keys: Optional[int]) -> List[Dict[str, int]]:
     """Per ring rank: bytes sent per op. kv_e / kv_g / kv_p: bytes of one key's K+V in the input
     / gradient / kernel partial dtype (all heads, whole batch). block_keys: as ring.py's
-    layout.block_keys() (None: read it from the environment, as ring.py does)."""
+    settings.ring_block_keys() (None: read the setting, as the ring does)."""
     if block_keys is None:
         # with partials of the gradient's size the grouping into blocks changes no byte count,
         # so the environment is read only when it matters (as the ring reads it)
-        block_keys = _env_block_keys() if kv_p != kv_g else 0
+        block_keys = ring_block_keys() if kv_p != kv_g else 0
     blocks = ring_blocks(cp, 2 * chunk, block_keys)
     out = []
     for r in range(cp):
@@ -130,7 +130,7 @@ def sent_per_rank(spec: AttnSpec, seq_len: int, comm: str, batch: int = 1,
     ring.bwd.dkv (ring and a2a+p2p's outer ring), for blocks where layout.block_exclusive, and
     a2a's dq/dk/dv (plain a2a only).
     block_keys: the ring's block size in keys (CP_SOFTCAP_RING_BLOCK_KEYS); None = read it from
-    the environment as the ring does (layout.block_keys()). Used only when partial_bytes differs
+    the setting as the ring does (settings.ring_block_keys()). Used only when partial_bytes differs
     from the gradient bytes."""
     cp = spec.cp_size
     n = _local_len(spec, seq_len)

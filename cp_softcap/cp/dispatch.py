@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import spec_for
-from ..layout import block_keys
+from ..settings import ring_block_keys
 from ..selector import select
 from ..spec import check_qkv
 from .a2a import UlyssesAttention, check_heads
@@ -81,7 +81,7 @@ def run_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, softcap,
     # raised only after the signature exchange, so every rank fails at once with all ranks' values
     kernel, keys, local_error = None, -1, None
     try:
-        keys = block_keys()
+        keys = ring_block_keys()
         kernel = select(spec, backend).kernel
     except ValueError as e:
         local_error = e

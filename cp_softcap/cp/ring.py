@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from ..comm import Exchange
 from ..kernels.base import grad_dtype
-from ..layout import block_exclusive, block_keys, block_plan, key_range, plan_step, ring_blocks
+from ..layout import block_exclusive, block_plan, key_range, plan_step, ring_blocks
+from ..settings import ring_block_keys
 from ..merge import merge_into, new_accumulator
 from .grad_accum import GradAccumulator
 
@@ -96,7 +97,7 @@ def ring_forward(q, k, v, group, kernel, scale, softcap, window):
     """-> (out float32 [B, S, Hq, Dv], lse float32 [B, Hq, S]) for this rank's zigzag queries."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     chunk = q.shape[1] // 2
-    blocks = ring_blocks(cp, q.shape[1], block_keys())
+    blocks = ring_blocks(cp, q.shape[1], ring_block_keys())
     acc_out, acc_lse = new_accumulator(q.shape, v.shape[-1], q.dtype, q.device)
     post = lambda i: _Block(group, "ring.fwd.kv", k, v, cp, rank, chunk, window, blocks[i])  # noqa: E731
     pending = post(0) if blocks else None
@@ -113,7 +114,7 @@ def ring_backward(dout, q, k, v, out, lse, group, kernel, scale, softcap, window
     """-> float32 (dq, dk, dv) of this rank's shards. out/lse: the final merged values."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     chunk = q.shape[1] // 2
-    blocks = ring_blocks(cp, q.shape[1], block_keys())
+    blocks = ring_blocks(cp, q.shape[1], ring_block_keys())
     gdt = grad_dtype(q.dtype)
     # Once per backward, not per chunk pair: e.g. fa4 casts the float32 O and corrects D here.
     dout, out, dlse = kernel.prepare_backward(dout, out, None, q.dtype)

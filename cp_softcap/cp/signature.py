@@ -9,13 +9,13 @@ aborts the receiving process. CP_SOFTCAP_CHECK_EVERY_CALL=1 exchanges the signat
 call (one small all_gather and a host sync per attention call), which catches that too."""
 from __future__ import annotations
 
-import os
 from typing import Dict, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..comm import wait
+from ..settings import check_every_call
 from ..spec import COMM_TYPES, AttnSpec
 
 FIELDS = ("batch", "local seq len", "query heads", "kv heads", "head dim", "v head dim",
@@ -63,7 +63,7 @@ def check_signature(group, q, k, v, spec: AttnSpec, backend: str, kernel: str, k
     comm='auto', so ranks that differ would otherwise hang or fail one by one."""
     local = _encode(q, k, v, spec, backend, kernel, keys)
     key = (id(group), local)
-    if key in _CHECKED and os.environ.get("CP_SOFTCAP_CHECK_EVERY_CALL", "0") in ("", "0"):
+    if key in _CHECKED and not check_every_call():
         return
     device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     mine = torch.tensor(local, dtype=torch.float64, device=device)

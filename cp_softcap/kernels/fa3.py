@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 from typing import Dict, Optional
 
 import torch
 
+from ..settings import fa3_enabled
 from ..spec import Window
 from ._common import (common_cuda_reason, cuda_arch, empty_result, fa2_lse, fa_window,
                       missing_params, softcap_value, try_import)
@@ -85,7 +85,7 @@ class FA3Kernel(NativeGradKernel):
         return self._mod
 
     def probe(self, spec) -> Optional[str]:
-        if os.environ.get("CP_SOFTCAP_FA3") != "1":
+        if not fa3_enabled():
             return "opt-in only: set CP_SOFTCAP_FA3=1 (single device, never under CP)"
         reason = common_cuda_reason(spec, "fa3")
         if reason:

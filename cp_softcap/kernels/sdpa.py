@@ -15,11 +15,11 @@ GQA: K/V heads are expanded for the op and their gradients summed back.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
 
+from ..settings import sdpa_op
 from ..spec import Window
 from . import sdpa_cuda
 from .base import Capabilities, Kernel, grad_dtype, visible_mask
@@ -63,7 +63,7 @@ class SdpaKernel(Kernel):
 
     @staticmethod
     def _order():
-        forced = os.environ.get("CP_SOFTCAP_SDPA_OP")
+        forced = sdpa_op()
         return (forced,) if forced else sdpa_cuda.OPS
 
     def cuda_op(self, dtype, head_dim: int, head_dim_v: int, device=None) -> Tuple[Optional[str], str]:
@@ -73,9 +73,6 @@ class SdpaKernel(Kernel):
         if key not in self._ops:
             reasons = []
             for op in self._order():
-                if op not in sdpa_cuda.OPS:
-                    reasons.append(f"CP_SOFTCAP_SDPA_OP={op!r} is not one of {sdpa_cuda.OPS}")
-                    continue
                 r = sdpa_cuda.selftest(op, dtype, head_dim, head_dim_v, dev)
                 if r is None:
                     self._ops[key] = (op, "")

@@ -16,9 +16,10 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..settings import SDPA_OPS
 from ._common import cudnn_lse, padded_lse
 
-OPS = ("cudnn", "flash", "efficient")
+OPS = SDPA_OPS
 _NEG_INF = float("-inf")
 
 
