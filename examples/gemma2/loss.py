@@ -1,0 +1,89 @@
+"""Cross-entropy over the tied embedding with Gemma2's final softcap, a slice of tokens at a time.
+
+The full path, `cross_entropy(cap * tanh(h @ W.T / cap), labels)`, holds float32 logits
+[tokens, vocab] (16 GiB at 16K tokens and Gemma2's 256,000-token vocabulary) plus their gradient.
+`softcap_cross_entropy_sum` computes the same sum with at most `chunk` tokens' logits alive at
+once, in forward and in backward: the forward keeps only the hidden states, the backward
+recomputes each slice's logits and turns them into that slice's dh and its share of dW at once.
+Sums and the dW accumulator are float32 whatever the input dtype.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+IGNORE = -100
+CHUNK_BYTES = 256 << 20     # default: one slice's float32 logits take at most 256 MiB
+
+
+def default_chunk(vocab: int) -> int:
+    """Tokens per slice so that one slice's float32 logits fit CHUNK_BYTES."""
+    return max(1, CHUNK_BYTES // (4 * vocab))
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor, cap: Optional[float]):
+    """Float32 logits of one slice and tanh(z / cap) (None without a cap), z = h @ W.T computed in
+    h's dtype (bf16 under autocast, as the full path's F.linear would)."""
+    z = torch.nn.functional.linear(h, w.to(h.dtype)).float()
+    if cap is None:
+        return z, None
+    t = torch.tanh(z / cap)
+    return cap * t, t
+
+
+def _slices(n: int, chunk: int):
+    return ((s, min(s + chunk, n)) for s in range(0, n, chunk))
+
+
+class _SoftcapCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, labels, cap, chunk):
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for s, e in _slices(h.shape[0], chunk):
+            z, _ = _logits(h[s:e], w, cap)
+            lab = labels[s:e]
+            valid = lab != IGNORE
+            picked = z.gather(1, lab.clamp_min(0)[:, None])[:, 0]
+            total += ((torch.logsumexp(z, dim=1) - picked) * valid).sum()
+        ctx.save_for_backward(h, w, labels)
+        ctx.cap, ctx.chunk = cap, chunk
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        h, w, labels = ctx.saved_tensors
+        cap, chunk = ctx.cap, ctx.chunk
+        dh = torch.empty_like(h)
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        wf = w.to(h.dtype)
+        g = grad_total.float()
+        for s, e in _slices(h.shape[0], chunk):
+            z, t = _logits(h[s:e], w, cap)
+            lab = labels[s:e]
+            valid = lab != IGNORE
+            dz = torch.softmax(z, dim=1)                      # d(lse - z[label]) / dz
+            rows = valid.nonzero()[:, 0]
+            dz[rows, lab[rows]] -= 1.0
+            dz *= (valid.float() * g)[:, None]
+            if t is not None:                                 # through cap * tanh(x / cap)
+                dz *= 1.0 - t * t
+            dh[s:e] = (dz.to(h.dtype) @ wf).to(h.dtype)
+            dw += dz.t() @ h[s:e].float()
+        return dh, dw.to(w.dtype), None, None, None
+
+
+def softcap_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                              cap: Optional[float], chunk: Optional[int] = None) -> torch.Tensor:
+    """Sum over labels != -100 of cross-entropy(cap * tanh(hidden @ weight.T / cap), labels), float32.
+
+    hidden [..., H], weight [V, H] (the tied embedding), labels [...] (same leading shape).
+    cap None: plain logits. chunk: tokens per slice (default: 256 MiB of float32 logits)."""
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} must share "
+                         "their leading (token) dimensions")
+    chunk = default_chunk(weight.shape[0]) if chunk is None else chunk
+    if chunk < 1:
+        raise ValueError(f"loss chunk must be >= 1 token, got {chunk}")
+    return _SoftcapCE.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+                            cap, chunk)
