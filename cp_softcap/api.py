@@ -29,11 +29,11 @@ class _KernelAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros(out.shape, dtype=q.dtype, device=q.device)
-        # backward_native: gradients straight in the inputs' dtypes, no float32 round trip
-        dq, dk, dv = ctx.kernel.backward_native(dout.contiguous(), q, k, v, out, lse,
-                                                scale=ctx.scale, softcap=ctx.softcap,
-                                                window=ctx.window, dlse=dlse)
-        return dq, dk, dv, None, None, None, None
+        # one call, nothing to accumulate: the kernel's own dtype, cast once (a no-op for the
+        # flash-attn family, whose gradients already have the inputs' dtype)
+        dq, dk, dv = ctx.kernel.backward(dout.contiguous(), q, k, v, out, lse, scale=ctx.scale,
+                                         softcap=ctx.softcap, window=ctx.window, dlse=dlse)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def spec_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap, causal, window, scale,

@@ -168,10 +168,9 @@ def test_fa2_adapter_with_stand_in_matches_torch_kernel(family):
     for g, rg in zip(k.backward(dout, q, kk, v, out, lse, **kw),
                      tk.backward(dout, q, kk, v, out, lse, **kw)):
         assert g.dtype == rg.dtype == torch.float64 and torch.allclose(g, rg, atol=1e-5)
-    # the single-device path's native-dtype gradients are the same values, in the input dtype
-    for g, rg in zip(k.backward_native(dout, q, kk, v, out, lse, **kw),
-                     k.backward(dout, q, kk, v, out, lse, **kw)):
-        assert g.dtype == q.dtype and torch.equal(g, rg.to(q.dtype))
+    # the flash-attn family's gradients come in the input dtype, and the kernel says so
+    assert k.partial_dtype(torch.bfloat16) == torch.bfloat16
+    assert tk.partial_dtype(torch.bfloat16) == torch.float32
 
 
 def test_fa2_refuses_capped_backward_on_old_flash_attn():
@@ -290,9 +289,10 @@ def test_fa4_softcap_kwargs():
         FA4Kernel(softcap_impl="fast")
 
 
-def test_native_grad_kernel_without_backward_native_says_so():
-    from cp_softcap.kernels.base import NativeGradKernel
-    x = torch.randn(1, 4, 2, 8)
-    with pytest.raises(NotImplementedError, match="must implement backward_native"):
-        NativeGradKernel().backward(x, x, x, x, x, torch.zeros(1, 2, 4), scale=1.0, softcap=None,
-                                    window=(None, None))
+@pytest.mark.parametrize("name,native", [("fa2", True), ("fa3", True), ("fa4", True),
+                                         ("flex", False), ("sdpa", False), ("torch", False)])
+def test_partial_dtype_is_the_kernels_declared_gradient_dtype(name, native):
+    kernel = get_kernel(name)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        want = dtype if native else (torch.float64 if dtype == torch.float64 else torch.float32)
+        assert kernel.partial_dtype(dtype) == want, (name, dtype)

@@ -44,17 +44,19 @@ def run_case(case: dict, seed: int, group=None, comm: str = "ring", backend: str
 
 def install_native_standin():
     """backend="torch" becomes the torch kernel's math with its gradients rounded to the input
-    dtype, as a NativeGradKernel (what the flash-attn family returns), counting its backward
-    calls. There is no way to pass a kernel instance to cp_attention: backend names resolve
+    dtype (caps.grads_in_input_dtype, as the flash-attn family returns them), counting its
+    backward calls. There is no way to pass a kernel instance to cp_attention: backend names resolve
     through get_kernel's cache, so the calling (spawned, per-test) process gets it there."""
+    import dataclasses
+
     from cp_softcap import kernels
-    from cp_softcap.kernels.base import NativeGradKernel
     from cp_softcap.kernels.torch_kernel import TorchKernel
 
-    class NativeBF16Torch(NativeGradKernel, TorchKernel):
+    class NativeBF16Torch(TorchKernel):
+        caps = dataclasses.replace(TorchKernel.caps, grads_in_input_dtype=True)
         calls = 0
 
-        def backward_native(self, dout, q, k, v, out, lse, **kw):
+        def backward(self, dout, q, k, v, out, lse, **kw):
             type(self).calls += 1
             grads = TorchKernel.backward(self, dout, q, k, v, out, lse, **kw)
             return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))

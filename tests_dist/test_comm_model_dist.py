@@ -2,7 +2,7 @@
 every op of every rank, forward and backward, for ring (causal, windows narrower than / crossing
 a chunk, two-sided, no mask; one step per block and default blocks), all_gather, a2a (with KV
 heads replicated) and a2a+p2p. Tiny shapes, the real kernels. NATIVE_CASES run the same with a
-NativeGradKernel stand-in (bf16 dK/dV partials, as the flash-attn family returns them): the
+native-gradient stand-in (bf16 dK/dV partials, as the flash-attn family returns them): the
 ring returns exclusive blocks' dK/dV in bf16, modelled with partial_bytes=2."""
 import pytest
 import torch
@@ -29,7 +29,7 @@ CASES = [
 NATIVE_CASES = [
     # at cp 4, chunk 8, window (C + 3, 0) ranks 2 and 3 have a non-exclusive source (float32
     # dK/dV for that block), (C + 1, C // 2) makes most sources non-exclusive; float32 inputs
-    # give float32 partials even from a NativeGradKernel
+    # give float32 partials even from a native-gradient kernel
     ("ring", None, True, None, 4, 2, torch.bfloat16),
     ("ring", None, True, (C + 3, 0), 4, 2, torch.bfloat16),
     ("ring", None, False, (C + 1, C // 2), 4, 2, torch.bfloat16),
@@ -63,7 +63,7 @@ def _worker(rank, world, cases, native):
             o.backward(torch.randn(o.shape, generator=g).to(o.dtype))
         out.append({"fwd": dict(fwd.sent), "bwd": dict(bwd.sent)})
     if native:
-        assert type(kernel).calls > 0, "the NativeGradKernel stand-in was not used"
+        assert type(kernel).calls > 0, "the native-gradient stand-in was not used"
     return out
 
 
@@ -78,7 +78,7 @@ def test_model_equals_counted_bytes(block_keys, native):
         spec = make_spec(head_dim=8, num_heads=hq, num_kv_heads=hkv, dtype=dtype, device_type="cpu",
                          softcap=5.0, causal=causal, window=window, cp_size=CP, comm=comm)
         # what dispatch passes to choose_comm: None = gradient bytes (the torch kernel); the
-        # native stand-in's partials have the input dtype (NativeGradKernel.partial_dtype)
+        # native stand-in's partials have the input dtype (Kernel.partial_dtype)
         kw = dict(partial_bytes=dtype.itemsize if native else None,
                   block_keys=int(block_keys))
         model = sent_per_rank(spec, 2 * CP * C, comm, batch=2, a2a_size=a2a, **kw)

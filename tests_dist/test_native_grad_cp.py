@@ -1,5 +1,5 @@
 """Ring, all_gather and a2a backward with a kernel whose gradient partials come in bf16 (like the
-flash-attn family, NativeGradKernel), on CPU: GradAccumulator must widen them while adding, and
+flash-attn family, caps.grads_in_input_dtype), on CPU: GradAccumulator must widen them while adding, and
 the result must still match the float64 reference of full attention (gloo on CPU)."""
 import pytest
 import torch

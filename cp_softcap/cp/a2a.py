@@ -58,7 +58,7 @@ class UlyssesAttention(torch.autograd.Function):
         inner, outer, kernel, scale, softcap, window, q_idx, kv_idx, hq, hkv, qdt, kdt, vdt = ctx.args
         douth = seq_to_heads(dout, inner, q_idx, "a2a.bwd.dout")
         if outer is None:
-            dq, dk, dv = kernel.backward_any_dtype(douth, qh, kh, vh, out, lse, scale=scale,
+            dq, dk, dv = kernel.backward(douth, qh, kh, vh, out, lse, scale=scale,
                                                    softcap=softcap, window=window)
         else:
             dq, dk, dv = ring_backward(douth, qh, kh, vh, out, lse, outer, kernel, scale,

@@ -112,7 +112,7 @@ class AllGatherAttention(torch.autograd.Function):
             q0, q1, k0, k1, w = plan
             ks, vs = kv.keys(k0, k1)
             rows = slice(row + q0, row + q1)
-            gq, gk, gv = kernel.backward_any_dtype(dout[:, rows], q[:, rows], ks, vs,
+            gq, gk, gv = kernel.backward(dout[:, rows], q[:, rows], ks, vs,
                                                    out[:, rows], lse[:, :, rows], scale=scale,
                                                    softcap=softcap, window=w,
                                                    dlse=None if dlse is None else dlse[:, :, rows])

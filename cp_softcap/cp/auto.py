@@ -11,7 +11,7 @@ point messages as sent, collectives at their algorithmic volume, (ranks - 1) pie
 n = S/cp local tokens (two zigzag chunks of c = n/2), B batch, e = input element bytes,
 g = gradient bytes (float32; float64 for float64 inputs), kv = B * Hkv * (D + Dv) per token,
 p = the kernel's dK/dV partial bytes (partial_bytes=: kernel.partial_dtype(dtype).itemsize, e for
-the flash-attn family (NativeGradKernel), g for the torch kernel; default g).
+the flash-attn family (caps.grads_in_input_dtype), g for the torch kernel; default g).
   ring (cp/ring.py; send_keys(r) = sum over receivers q != r of |key_range(cp, q, r, c, window)|;
         blocks = layout.ring_blocks(cp, n, block_keys), block_keys= defaulting to
         settings.ring_block_keys() (CP_SOFTCAP_RING_BLOCK_KEYS)):

@@ -77,7 +77,7 @@ def backward_calls(dout, q, ks, vs, out, lse, dlse, calls, kernel, scale, softca
     and dk/dv (keys)."""
     for c in calls:
         rows = slice(c.q0, c.q1)
-        gq, gk, gv = kernel.backward_any_dtype(
+        gq, gk, gv = kernel.backward(
             dout[:, rows], q[:, rows], ks[:, c.k0:c.k1], vs[:, c.k0:c.k1], out[:, rows],
             lse[:, :, rows], scale=scale, softcap=softcap, window=c.window,
             dlse=None if dlse is None else dlse[:, :, rows])

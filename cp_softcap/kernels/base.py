@@ -4,15 +4,24 @@ Every kernel (one file each in this package) subclasses `Kernel` and implements:
 
     forward(q, k, v, *, scale, softcap, window) -> (out, lse)
         q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]   (Hq % Hkv == 0, GQA not expanded)
-        out [B, Sq, Hq, D] in the input dtype, or float32/float64 (the accumulation dtype) for
-        kernels that have it unrounded (torch): callers cast once; lse [B, Hq, Sq] float32 natural log,
-        contiguous, -inf for a row that sees no key.
+        out [B, Sq, Hq, Dv] in the input dtype, or float32/float64 (the accumulation dtype) for
+        kernels that have it unrounded (torch): callers cast once; lse [B, Hq, Sq] float32
+        natural log, contiguous, -inf for a row that sees no key.
     backward(dout, q, k, v, out, lse, *, scale, softcap, window, dlse=None) -> (dq, dk, dv)
-        out/lse are the FINAL merged values of the whole row (exact for ring attention);
-        out may be float32 (the CP merge's accumulator): adapters whose kernel needs the input
-        dtype cast it, pure-PyTorch paths use it as is for a more exact D = rowsum(dO * O).
-        Gradients are float32 for float32/16-bit inputs (float64 for float64) so callers can
-        accumulate without rounding; callers cast once.
+        out/lse are the FINAL merged values of the whole row (exact for ring attention: see
+        docs/kernels.md); out may be float32 (the CP merge's accumulator): adapters whose kernel
+        needs the input dtype cast it, pure-PyTorch paths use it as is for a more exact
+        D = rowsum(dO * O). Gradients come in the kernel's own dtype, `partial_dtype(q.dtype)`:
+        the input dtype for kernels that compute them there (flash-attn), the accumulation dtype
+        (float32; float64 for float64) otherwise. Callers that sum several partials widen while
+        adding (cp/grad_accum.py); a single call casts once.
+    partial_dtype(dtype) -> dtype of backward's gradients for inputs of `dtype`
+        (from caps.grads_in_input_dtype). The CP algorithms size their gradient messages by it.
+    prepare_backward(dout, out, dlse, dtype) -> (dout, out, dlse)      [optional]
+        Called once per backward by callers that run many chunk-pair backwards on the same rows
+        (ring, all_gather); row slices of the results stay valid for row slices of the inputs.
+        fa4 uses it to cast the float32 O and correct D once instead of per chunk pair, which
+        was measured to matter on the GPU (benchmarks/RESULTS.md). Default: unchanged.
 
 `softcap` is None (off) or a positive float applied as cap * tanh(s / cap) to the scaled score.
 `window` is (left, right) in the chunk's own coordinates, flash-attn style (bottom-right aligned):
@@ -20,7 +29,8 @@ local query i sees local key j iff  i + (Sk - Sq) - left <= j <= i + (Sk - Sq) +
 with None for an unbounded side. (None, 0) is bottom-right causal; (None, None) is full.
 Callers (see cp_softcap.layout) trim chunk pairs so both sides are >= 0 or None.
 
-Kernels never import torch.distributed. Capabilities and probes feed the selector table.
+Kernels never import torch.distributed or the layers above them (merge, cp, plan).
+Capabilities and probes feed the selector table.
 """
 from __future__ import annotations
 
@@ -49,6 +59,7 @@ class Capabilities:
     cp: bool = True                         # may serve chunk pairs under context parallelism
     dlse: bool = False                      # backward accepts a gradient of the LSE
     deterministic_backward: bool = True
+    grads_in_input_dtype: bool = False      # backward returns the input dtype (flash-attn family)
     notes: Tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -72,61 +83,15 @@ class Kernel:
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def backward_native(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                        v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, scale: float,
-                        softcap: Optional[float], window: Window,
-                        dlse: Optional[torch.Tensor] = None
-                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """backward() with each gradient in its input's dtype, for the single-device path (one
-        call, nothing to accumulate). Default: backward() cast down."""
-        dq, dk, dv = self.backward(dout, q, k, v, out, lse, scale=scale, softcap=softcap,
-                                   window=window, dlse=dlse)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-    def backward_any_dtype(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                           v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
-                           scale: float, softcap: Optional[float], window: Window,
-                           dlse: Optional[torch.Tensor] = None
-                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gradients in whichever dtype the kernel makes them (float32 here, the input dtype
-        for NativeGradKernel), for callers that widen while accumulating (cp.grad_accum)."""
-        return self.backward(dout, q, k, v, out, lse, scale=scale, softcap=softcap,
-                             window=window, dlse=dlse)
-
     def partial_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """dtype of backward_any_dtype's gradients for inputs of `dtype`."""
-        return grad_dtype(dtype)
+        """dtype of backward()'s gradients for inputs of `dtype`."""
+        return dtype if self.caps.grads_in_input_dtype else grad_dtype(dtype)
 
     def prepare_backward(self, dout: torch.Tensor, out: torch.Tensor,
                          dlse: Optional[torch.Tensor], dtype: torch.dtype):
-        """Once per backward, for callers that run many chunk-pair backwards on the same rows
-        (the ring): (dout, out, dlse) in the form backward() takes without per-call conversion.
-        Row slices of the results stay valid for row slices of the inputs. Default: unchanged."""
+        """Once per backward over many chunk pairs of the same rows: (dout, out, dlse) in the
+        form backward() takes without per-call conversion. Default: unchanged."""
         return dout, out, dlse
-
-
-class NativeGradKernel(Kernel):
-    """A kernel whose gradients come out in the input dtype (the flash-attn family):
-    backward_native is the implementation and backward() widens it to the contract's float32,
-    so the single-device path skips a float32 round trip over every gradient."""
-
-    def backward(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
-                 window: Window, dlse: Optional[torch.Tensor] = None):
-        grads = self.backward_native(dout, q, k, v, out, lse, scale=scale, softcap=softcap,
-                                     window=window, dlse=dlse)
-        return tuple(g.to(grad_dtype(g.dtype)) for g in grads)
-
-    def backward_native(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
-                        window: Window, dlse: Optional[torch.Tensor] = None):
-        # the implementation; without this override backward() and the base backward_native
-        # would call each other forever
-        raise NotImplementedError(f"{type(self).__name__} must implement backward_native")
-
-    def backward_any_dtype(self, *args, **kwargs):
-        return self.backward_native(*args, **kwargs)
-
-    def partial_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return dtype
 
 
 def grad_dtype(dtype: torch.dtype) -> torch.dtype:

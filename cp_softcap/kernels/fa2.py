@@ -28,7 +28,7 @@ import torch
 from ..spec import Window
 from ._common import (common_cuda_reason, cuda_arch, empty_result, fa2_lse, fa_window,
                       missing_params, softcap_value, try_import)
-from .base import Capabilities, NativeGradKernel
+from .base import Capabilities, Kernel
 
 _MODULE = "flash_attn.flash_attn_interface"
 _COMMON = ("dropout_p", "softmax_scale", "causal", "alibi_slopes")
@@ -57,13 +57,14 @@ def backward_has_softcap(bwd) -> bool:
     return not missing_params(bwd, ("softcap",))
 
 
-class FA2Kernel(NativeGradKernel):
+class FA2Kernel(Kernel):
     name = "fa2"
     caps = Capabilities(
         softcap=True, window=True, gqa=True,
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         devices=frozenset({"cuda"}), backward_devices=frozenset({"cuda"}),
         max_head_dim=256, head_dim_multiple=8, cp=True, dlse=False, deterministic_backward=True,
+        grads_in_input_dtype=True,
         notes=("flash-attn >= 2.6.2 (softcap backward); LSE +inf for empty rows normalised",))
 
     def __init__(self, module=None):
@@ -125,7 +126,7 @@ class FA2Kernel(NativeGradKernel):
         out, lse = (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
         return out, fa2_lse(lse)
 
-    def backward_native(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
+    def backward(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
                         window: Window, dlse: Optional[torch.Tensor] = None):
         """(dq, dk, dv) in the input dtype given the final merged out/lse; FA2 has no dlse."""
         if dlse is not None:

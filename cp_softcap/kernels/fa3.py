@@ -23,7 +23,7 @@ from ..settings import fa3_enabled
 from ..spec import Window
 from ._common import (common_cuda_reason, cuda_arch, empty_result, fa2_lse, fa_window,
                       missing_params, softcap_value, try_import)
-from .base import Capabilities, NativeGradKernel
+from .base import Capabilities, Kernel
 
 _MODULE = "flash_attn_interface"
 INSTALL_HINT = "build flash-attention's hopper/ package (dist flash_attn_3) for sm90"
@@ -54,13 +54,14 @@ def bind_kwargs(fn, given: Dict[str, object], window: Window,
     return kw
 
 
-class FA3Kernel(NativeGradKernel):
+class FA3Kernel(Kernel):
     name = "fa3"
     caps = Capabilities(
         softcap=True, window=True, gqa=True,
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         devices=frozenset({"cuda"}), backward_devices=frozenset({"cuda"}),
         max_head_dim=256, head_dim_multiple=8, cp=False, dlse=False, deterministic_backward=True,
+        grads_in_input_dtype=True,
         notes=("opt-in: CP_SOFTCAP_FA3=1; never under context parallelism",))
 
     def __init__(self, module=None):
@@ -138,7 +139,7 @@ class FA3Kernel(NativeGradKernel):
                                         softcap=softcap_value(softcap)), window))
         return res[0], fa2_lse(res[1])
 
-    def backward_native(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
+    def backward(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
                         window: Window, dlse: Optional[torch.Tensor] = None):
         """(dq, dk, dv) in the input dtype given the final out/lse (no dLSE in FA3)."""
         if dlse is not None:

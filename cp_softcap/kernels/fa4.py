@@ -31,7 +31,7 @@ import torch
 
 from ..spec import Window
 from ._common import common_cuda_reason, cuda_arch, empty_result, missing_params, try_import
-from .base import Capabilities, NativeGradKernel
+from .base import Capabilities, Kernel
 from .fa4_softcap import IMPLS, softcap_kwargs
 
 _MODULE = "flash_attn.cute.interface"
@@ -73,15 +73,16 @@ def exact_d_dlse(dout: torch.Tensor, out32: torch.Tensor, out_k: torch.Tensor,
     return (-corr if dlse is None else dlse.float() - corr).contiguous()
 
 
-class FA4Kernel(NativeGradKernel):
+class FA4Kernel(Kernel):
     name = "fa4"
     caps = Capabilities(
         softcap=True, window=True, gqa=True,
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         devices=frozenset({"cuda"}), backward_devices=frozenset({"cuda"}),
         max_head_dim=256, head_dim_multiple=8, cp=True, dlse=True, deterministic_backward=True,
+        grads_in_input_dtype=True,
         notes=("JIT: first call per distinct softcap value compiles (~seconds)",
-               "gradients are computed in the input dtype by FA4 and returned as float32"))
+               "gradients are computed and returned in the input dtype"))
 
     def __init__(self, softcap_impl: str = "score_mod"):
         """softcap_impl: "score_mod" (ours, sm90; see fa4_softcap.py) or "builtin" (FA4's softcap=)."""
@@ -148,7 +149,7 @@ class FA4Kernel(NativeGradKernel):
             dlse = exact_d_dlse(dout_k, out, out_k, dlse)
         return dout_k, out_k, dlse
 
-    def backward_native(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
+    def backward(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
                         window: Window, dlse: Optional[torch.Tensor] = None):
         """Gradients (input dtype) of this chunk pair given the FINAL merged out/lse of its rows."""
         if q.shape[1] == 0 or k.shape[1] == 0:
