@@ -1,0 +1,251 @@
+"""Kernel calls for packed documents: which local query rows see which keys, per pair of ranks.
+
+Pure integer host arithmetic on a PackedLayout (cp_softcap.documents), shared by every CP
+algorithm. A DocCall is one kernel call: local query rows [q0, q1) x keys [k0, k1) of some key
+buffer, split into `segments` (documents): segment s is rows [q0 + cu_q[s], q0 + cu_q[s+1]) and
+keys [k0 + cu_k[s], k0 + cu_k[s+1]); a row sees only keys of its own segment, under the call's
+window bottom-right aligned PER SEGMENT (the kernel contract of kernels/base.py, applied to each
+segment; flash-attn's varlen functions do exactly this with cu_seqlens_q = cu_q, cu_seqlens_k =
+cu_k). A call with one segment is an ordinary chunk-pair call (layout.PairCall).
+
+How calls arise. Each rank's tokens are maximal runs of globally contiguous tokens. For every
+(query run, key run, document) the visible box is trimmed exactly as layout.plan_pair does for
+zigzag chunk pairs (every kept row sees at least one key, both window sides >= 0 or None).
+Boxes adjacent in both rows and keys with the same raw local window fuse into one
+multi-segment call: the diagonal of a run holding many short documents is ONE varlen call.
+Two disjoint runs share at most one document (the one that crosses the gap between them), so
+off-diagonal calls have a single segment. Pairs of ranks with no same-document visible key get
+no call and send nothing.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from .documents import PackedLayout
+from .layout import PairCall
+from .spec import Window
+
+Run = Tuple[int, int, int]          # (global start, global end, local start)
+
+
+@dataclass(frozen=True)
+class DocCall:
+    """One kernel call over document segments (see the module docstring for the rule)."""
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    window: Window
+    cu_q: Tuple[int, ...]           # segment row boundaries relative to q0: (0, ..., q1 - q0)
+    cu_k: Tuple[int, ...]           # segment key boundaries relative to k0: (0, ..., k1 - k0)
+
+    @property
+    def segments(self) -> int:
+        return len(self.cu_q) - 1
+
+    @property
+    def max_q(self) -> int:
+        return max(b - a for a, b in zip(self.cu_q, self.cu_q[1:]))
+
+    @property
+    def max_k(self) -> int:
+        return max(b - a for a, b in zip(self.cu_k, self.cu_k[1:]))
+
+    @property
+    def full(self) -> bool:
+        return self.window == (None, None)
+
+    def pair_call(self) -> Optional[PairCall]:
+        """The same call as an ordinary chunk-pair call when it has one segment, else None."""
+        if self.segments != 1:
+            return None
+        return PairCall(self.q0, self.q1, self.k0, self.k1, self.window)
+
+    def shifted(self, dq: int = 0, dk: int = 0) -> "DocCall":
+        return DocCall(self.q0 + dq, self.q1 + dq, self.k0 + dk, self.k1 + dk, self.window,
+                       self.cu_q, self.cu_k)
+
+    def area(self) -> int:
+        """Visible (query, key) pairs of this call."""
+        left, right = self.window
+        total = 0
+        for s in range(self.segments):
+            sq = self.cu_q[s + 1] - self.cu_q[s]
+            sk = self.cu_k[s + 1] - self.cu_k[s]
+            for i in range(sq):
+                a = i + sk - sq
+                lo = 0 if left is None else max(0, a - left)
+                hi = sk - 1 if right is None else min(sk - 1, a + right)
+                total += max(0, hi - lo + 1)
+        return total
+
+    def token_ids(self, device=None):
+        """Per row and per key: (q_seg [nq], q_pos [nq], k_seg [nk], k_pos [nk]) int64, such that
+        row i sees key j iff q_seg[i] == k_seg[j] and q_pos[i] - left <= k_pos[j] <= q_pos[i] + right
+        (visibility_mask). Positions are in the call's key coordinates, bottom-right aligned per
+        segment: what a document-masking kernel (torch blocks, flex mask_mod) compares."""
+        nq, nk = self.q1 - self.q0, self.k1 - self.k0
+        q_seg = torch.empty(nq, dtype=torch.int64)
+        q_pos = torch.empty(nq, dtype=torch.int64)
+        k_seg = torch.empty(nk, dtype=torch.int64)
+        for s in range(self.segments):
+            qa, qb, ka, kb = self.cu_q[s], self.cu_q[s + 1], self.cu_k[s], self.cu_k[s + 1]
+            q_seg[qa:qb] = s
+            k_seg[ka:kb] = s
+            q_pos[qa:qb] = torch.arange(qb - qa) + (kb - (qb - qa))
+        k_pos = torch.arange(nk)
+        return tuple(t.to(device) for t in (q_seg, q_pos, k_seg, k_pos))
+
+    def mask(self, device=None) -> torch.Tensor:
+        """bool [nq, nk]: which (row, key) pairs of the call are visible."""
+        return visibility_mask(*self.token_ids(device), self.window)
+
+
+def visibility_mask(q_doc: torch.Tensor, q_pos: torch.Tensor, k_doc: torch.Tensor,
+                    k_pos: torch.Tensor, window: Window) -> torch.Tensor:
+    """bool [nq, nk]: q_doc[i] == k_doc[j] >= 0 and q_pos[i] - left <= k_pos[j] <= q_pos[i] + right.
+
+    The document-masking building block for the torch and flex kernels: document ids (-1 =
+    padding, sees and is seen by nothing) and positions in one coordinate system (global
+    positions with global document ids, or DocCall.token_ids)."""
+    left, right = window
+    vis = (q_doc[:, None] == k_doc[None, :]) & (q_doc[:, None] >= 0)
+    if left is not None:
+        vis &= k_pos[None, :] >= q_pos[:, None] - left
+    if right is not None:
+        vis &= k_pos[None, :] <= q_pos[:, None] + right
+    return vis
+
+
+def _trim(qa: int, qb: int, ka: int, kb: int, window: Window):
+    """layout.plan_pair on inclusive global ranges, but returning the RAW local window (not
+    normalised) so boxes can be compared for fusion: (qa, qb, ka, kb, raw) or None."""
+    left, right = window
+    if right is not None:
+        qa = max(qa, ka - right)
+    if left is not None:
+        qb = min(qb, kb + left)
+    if qa > qb:
+        return None
+    if left is not None:
+        ka = max(ka, qa - left)
+    if right is not None:
+        kb = min(kb, qb + right)
+    if ka > kb:
+        return None
+    d = qb - kb
+    return qa, qb, ka, kb, (None if left is None else left - d, None if right is None else right + d)
+
+
+def _normalize(raw: Window, cu_q, cu_k) -> Window:
+    """A side that hides nothing in any segment becomes None (as layout._normalize per call)."""
+    left, right = raw
+    if left is not None and left >= max(b - a for a, b in zip(cu_k, cu_k[1:])) - 1:
+        left = None
+    if right is not None and right >= max(b - a for a, b in zip(cu_q, cu_q[1:])) - 1:
+        right = None
+    return (left, right)
+
+
+def run_calls(cu: Tuple[int, ...], q_runs: Sequence[Run], k_runs: Sequence[Run],
+              window: Window) -> Tuple[DocCall, ...]:
+    """Calls for queries in q_runs against keys in k_runs (local coordinates of each side)."""
+    boxes = []
+    for qg0, qg1, ql in q_runs:
+        for kg0, kg1, kl in k_runs:
+            last_doc = len(cu) - 2
+            first = max(bisect_right(cu, qg0), bisect_right(cu, kg0)) - 1
+            last = min(bisect_right(cu, qg1 - 1), bisect_right(cu, kg1 - 1)) - 1
+            for d in range(first, min(last, last_doc) + 1):
+                a, b = cu[d], cu[d + 1]
+                qa, qb, ka, kb = max(a, qg0), min(b, qg1) - 1, max(a, kg0), min(b, kg1) - 1
+                if qa > qb or ka > kb:
+                    continue
+                box = _trim(qa, qb, ka, kb, window)
+                if box is not None:
+                    qa, qb, ka, kb, raw = box
+                    boxes.append((qa - qg0 + ql, qb - qg0 + ql + 1, ka - kg0 + kl, kb - kg0 + kl + 1, raw))
+    return _fuse(sorted(boxes, key=lambda b: (b[0], b[2])))
+
+
+def _fuse(boxes) -> Tuple[DocCall, ...]:
+    groups = []
+    for q0, q1, k0, k1, raw in boxes:
+        g = groups[-1] if groups else None
+        if g is not None and g["raw"] == raw and g["q1"] == q0 and g["k1"] == k0:
+            g["cu_q"].append(q1 - g["q0"])
+            g["cu_k"].append(k1 - g["k0"])
+            g["q1"], g["k1"] = q1, k1
+        else:
+            groups.append({"q0": q0, "q1": q1, "k0": k0, "k1": k1, "raw": raw,
+                           "cu_q": [0, q1 - q0], "cu_k": [0, k1 - k0]})
+    return tuple(DocCall(g["q0"], g["q1"], g["k0"], g["k1"], _normalize(g["raw"], g["cu_q"], g["cu_k"]),
+                         tuple(g["cu_q"]), tuple(g["cu_k"])) for g in groups)
+
+
+# --------------------------------------------------------------------------- per pair of ranks
+
+@lru_cache(maxsize=4096)
+def step_calls(layout: PackedLayout, q_rank: int, kv_rank: int, window: Window) -> Tuple[DocCall, ...]:
+    """Calls for q_rank's local queries against kv_rank's LOCAL keys (ring, a2a+p2p), sorted by
+    rows. `window` is the layer's normalised (left, right); it need not be the layout's."""
+    return run_calls(layout.cu_seqlens, layout.runs(q_rank), layout.runs(kv_rank), window)
+
+
+@lru_cache(maxsize=4096)
+def send_ranges(layout: PackedLayout, q_rank: int, kv_rank: int, window: Window
+                ) -> Tuple[Tuple[int, int], ...]:
+    """Disjoint ascending [k0, k1) ranges of kv_rank's local keys that q_rank's queries see:
+    exactly the keys some call reads (what kv_rank sends to q_rank); () = no message."""
+    spans = sorted((c.k0, c.k1) for c in step_calls(layout, q_rank, kv_rank, window))
+    out = []
+    for k0, k1 in spans:
+        if out and k0 <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], k1))
+        else:
+            out.append((k0, k1))
+    return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def recv_calls(layout: PackedLayout, q_rank: int, kv_rank: int, window: Window
+               ) -> Tuple[Tuple[Tuple[int, int], ...], Tuple[DocCall, ...]]:
+    """(ranges, calls) for a receive buffer holding kv_rank's send_ranges back to back: range i
+    at offset sum of the earlier ranges' lengths; the calls' keys index that buffer."""
+    ranges = send_ranges(layout, q_rank, kv_rank, window)
+    offsets, off = [], 0
+    for k0, k1 in ranges:
+        offsets.append(off - k0)
+        off += k1 - k0
+    calls = []
+    for c in step_calls(layout, q_rank, kv_rank, window):
+        i = bisect_right([r[0] for r in ranges], c.k0) - 1
+        calls.append(c.shifted(dk=offsets[i]))
+    return ranges, tuple(calls)
+
+
+@lru_cache(maxsize=256)
+def peers(layout: PackedLayout, window: Window) -> Tuple[Tuple[bool, ...], ...]:
+    """peers[q_rank][kv_rank]: whether q_rank's queries see any of kv_rank's keys."""
+    return tuple(tuple(bool(step_calls(layout, q, kv, window)) for kv in range(layout.cp))
+                 for q in range(layout.cp))
+
+
+@lru_cache(maxsize=1024)
+def gathered_calls(layout: PackedLayout, q_rank: int, window: Window) -> Tuple[DocCall, ...]:
+    """Calls for q_rank's local queries against the WHOLE stream in global order (all_gather,
+    after placing every rank's keys at layout.index(rank)): keys are global positions. A run's
+    documents fuse into one varlen call whose keys of each document end at its last query."""
+    return run_calls(layout.cu_seqlens, layout.runs(q_rank), ((0, layout.seq_len, 0),), window)
+
+
+@lru_cache(maxsize=256)
+def stream_calls(cu: Tuple[int, ...], seq_len: int, window: Window) -> Tuple[DocCall, ...]:
+    """Calls for a whole stream on one device (cps.attention, a2a after its all-to-all, in
+    global order): rows and keys are global positions; tokens past cu[-1] are in no call."""
+    return run_calls(cu, ((0, seq_len, 0),), ((0, seq_len, 0),), window)

@@ -1,0 +1,303 @@
+"""Packed documents: validated boundaries and the packed layout (which global tokens each rank holds).
+
+Documents are given by GLOBAL boundaries `cu_seqlens = [0, e1, ..., T_docs]`: document d holds
+tokens [cu[d], cu[d+1]). Query i sees key j iff both are in the same document and the usual
+window rule holds in global positions (i - left <= j <= i + right; causal: right = 0). Tokens
+from T_docs to the end of the stream are padding: outside every document.
+
+The layout (docs/packing.md): the stream, padded at its end to `padded_len`, is cut into
+cp * m equal chunks; every rank holds m of them, in global order. Chunks go to ranks by a
+deterministic solver that balances attention AREA (visible (q, k) pairs of a chunk's queries),
+not tokens: greedy by area with equal counts, then pairwise swaps that lower the busiest rank.
+No document is padded. For one causal document and m = 2 the solver returns exactly the zigzag
+layout (chunks r and 2cp-1-r). m is the smallest of CHUNK_CHOICES whose busiest/mean area is
+within GOOD_ENOUGH, else the best of them: more chunks balance better but cost more kernel calls
+and messages (benchmarks/packing_balance.py measures both).
+
+Everything here is integer arithmetic on the host, identical on every rank, cached per
+(boundaries, length, cp, window).
+"""
+from __future__ import annotations
+
+import hashlib
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from .spec import Window, normalize_window
+
+CHUNK_CHOICES = (2, 4, 8, 16)           # chunks per rank the layout may use
+PAD_MULTIPLE_PER_RANK = max(CHUNK_CHOICES)
+GOOD_ENOUGH = 1.03                      # busiest/mean area at which more chunks stop paying
+
+
+def _where(rank) -> str:
+    return "" if rank is None else f" on rank {rank}"
+
+
+def check_cu_seqlens(cu_seqlens, seq_len: Optional[int] = None, *, rank=None) -> Tuple[int, ...]:
+    """Validate document boundaries; return them as a tuple of Python ints.
+
+    cu_seqlens: 1-D integer tensor or list of ints [0, e1, ..., T_docs], strictly increasing
+    (zero-length documents are rejected: drop repeated boundaries), T_docs <= seq_len when given.
+    Raises ValueError (TypeError for a non-integer type) naming the value and the fix.
+    """
+    at = _where(rank)
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1:
+            raise ValueError(f"cu_seqlens must be 1-D [num_docs + 1], got shape {tuple(cu_seqlens.shape)}{at}; "
+                             "pass one stream's boundaries, e.g. torch.tensor([0, 5, 12])")
+        if cu_seqlens.dtype == torch.bool or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+            raise TypeError(f"cu_seqlens must hold integers, got dtype {cu_seqlens.dtype}{at}; "
+                            "convert with .to(torch.int64)")
+        values = cu_seqlens.tolist()
+    elif isinstance(cu_seqlens, (list, tuple)):
+        values = []
+        for i, v in enumerate(cu_seqlens):
+            if isinstance(v, bool) or not hasattr(v, "__index__"):
+                raise TypeError(f"cu_seqlens[{i}] = {v!r} is not an int{at}; "
+                                "cu_seqlens must be integer token offsets [0, e1, ..., T_docs]")
+            values.append(int(v.__index__()))
+    else:
+        raise TypeError(f"cu_seqlens must be a 1-D integer tensor or a list of ints, got "
+                        f"{type(cu_seqlens).__name__}{at}")
+    if len(values) < 2:
+        raise ValueError(f"cu_seqlens={values} has fewer than 2 entries{at}; it needs [0, e1, ..., T_docs] "
+                         "with at least one document, e.g. [0, seq_len] for a single document")
+    if values[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {values[0]} (cu_seqlens={_short(values)}){at}; "
+                         "boundaries are global token offsets of the whole stream")
+    for d in range(len(values) - 1):
+        if values[d + 1] <= values[d]:
+            what = "zero-length document" if values[d + 1] == values[d] else "decreasing boundary"
+            raise ValueError(f"cu_seqlens is not strictly increasing: cu_seqlens[{d}] = {values[d]}, "
+                             f"cu_seqlens[{d + 1}] = {values[d + 1]} ({what}){at}; documents must have "
+                             "at least one token: drop repeated boundaries (torch.unique_consecutive)")
+    if seq_len is not None and values[-1] > seq_len:
+        raise ValueError(f"cu_seqlens ends at {values[-1]}, past the stream length {seq_len}{at}; the last "
+                         "boundary is the end of the last document and must be <= the sequence length")
+    return tuple(values)
+
+
+def _short(values) -> str:
+    return str(values) if len(values) <= 8 else f"[{values[0]}, {values[1]}, ..., {values[-1]}] ({len(values)} entries)"
+
+
+def cu_hash(cu: Sequence[int]) -> int:
+    """A cheap stable 63-bit hash of validated boundaries (same value in every process), for the
+    cross-rank signature: ranks compare this instead of sending the whole tensor."""
+    data = b"".join(int(v).to_bytes(8, "little", signed=True) for v in cu)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+def padded_len(seq_len: int, cp: int) -> int:
+    """The stream length the packed layout uses: seq_len rounded up to a multiple of
+    cp * PAD_MULTIPLE_PER_RANK (cp = 1: seq_len itself). The added tokens are padding: at the
+    END of the stream, outside every document (fewer than 16 * cp tokens)."""
+    if cp == 1:
+        return seq_len
+    step = cp * PAD_MULTIPLE_PER_RANK
+    return -(-seq_len // step) * step
+
+
+def token_area(cu: Tuple[int, ...], seq_len: int, window: Window) -> torch.Tensor:
+    """int64 [seq_len]: how many keys each query sees (same document, window). 0 for padding."""
+    left, right = window
+    counts = torch.zeros(seq_len, dtype=torch.int64)
+    bounds = torch.tensor(cu, dtype=torch.int64)
+    lengths = bounds[1:] - bounds[:-1]
+    doc = torch.repeat_interleave(torch.arange(len(cu) - 1), lengths)
+    pos = torch.arange(cu[-1], dtype=torch.int64) - bounds[doc]
+    after = lengths[doc] - 1 - pos
+    before = pos if left is None else pos.clamp(max=left)
+    after = after if right is None else after.clamp(max=right)
+    counts[:cu[-1]] = before + after + 1
+    return counts
+
+
+def assign_chunks(areas: Sequence[int], cp: int) -> Tuple[Tuple[int, ...], ...]:
+    """Chunks (by area) -> cp ranks with len(areas) // cp chunks each, ascending per rank.
+
+    Greedy: chunks by decreasing area (ties: higher index first), each to the least loaded rank
+    that still has room (ties: lowest rank). Then swaps: while exchanging one chunk of the
+    busiest rank with a smaller chunk of another rank lowers the larger of the two loads below
+    the busiest load, do the best such swap. Deterministic pure-integer arithmetic."""
+    m = len(areas) // cp
+    load, held = [0] * cp, [[] for _ in range(cp)]
+    for c in sorted(range(len(areas)), key=lambda i: (-areas[i], -i)):
+        r = min((r for r in range(cp) if len(held[r]) < m), key=lambda r: (load[r], r))
+        held[r].append(c)
+        load[r] += areas[c]
+    for _ in range(4 * len(areas)):
+        b = max(range(cp), key=lambda r: (load[r], -r))
+        best = None
+        for x in held[b]:
+            for r in range(cp):
+                if r == b:
+                    continue
+                for y in held[r]:
+                    delta = areas[x] - areas[y]
+                    if delta <= 0:
+                        continue
+                    worst = max(load[b] - delta, load[r] + delta)
+                    if worst < load[b] and (best is None or worst < best[0]):
+                        best = (worst, x, r, y, delta)
+        if best is None:
+            break
+        _, x, r, y, delta = best
+        held[b][held[b].index(x)] = y
+        held[r][held[r].index(y)] = x
+        load[b] -= delta
+        load[r] += delta
+    return tuple(tuple(sorted(h)) for h in held)
+
+
+@dataclass(frozen=True, eq=False)
+class PackedLayout:
+    """Which global tokens each rank holds for one packed stream. Small, frozen, hashable.
+
+    cu_seqlens: validated boundaries; seq_len: padded stream length (padded_len of the user's);
+    cp: ranks; window: the attention the balance was computed for; chunk: tokens per chunk;
+    chunks[r]: global chunk indices of rank r, ascending (rank r's local tokens are these chunks
+    concatenated); rank_area[r]: visible (q, k) pairs of rank r's queries under `window`."""
+    cu_seqlens: Tuple[int, ...]
+    seq_len: int
+    cp: int
+    window: Window
+    chunk: int
+    chunks: Tuple[Tuple[int, ...], ...]
+    rank_area: Tuple[int, ...]
+    signature: int = field(default=0)
+
+    def __post_init__(self):
+        key = (cu_hash(self.cu_seqlens), self.seq_len, self.cp, self.window, self.chunk, self.chunks)
+        object.__setattr__(self, "signature", cu_hash(list(_flatten(key))))
+
+    def __hash__(self) -> int:
+        return self.signature
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, PackedLayout) and self.signature == other.signature
+                and (self.seq_len, self.cp, self.window, self.chunks, self.cu_seqlens)
+                == (other.seq_len, other.cp, other.window, other.chunks, other.cu_seqlens))
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return len(self.chunks[0])
+
+    @property
+    def local_len(self) -> int:
+        return self.seq_len // self.cp
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.cu_seqlens) - 1
+
+    @property
+    def padding(self) -> int:
+        """Tokens after the last document (the user's tail padding plus the library's)."""
+        return self.seq_len - self.cu_seqlens[-1]
+
+    @property
+    def imbalance(self) -> float:
+        """Busiest rank's area over the mean (1.0 = perfect; 1.0 when there is no area)."""
+        total = sum(self.rank_area)
+        return max(self.rank_area) * self.cp / total if total else 1.0
+
+    def runs(self, rank: int) -> Tuple[Tuple[int, int, int], ...]:
+        """Rank's tokens as maximal global runs (g0, g1, local0): global [g0, g1) sits at local
+        [local0, local0 + g1 - g0). Local order is global order."""
+        return _runs(self.chunks[_check_rank(rank, self.cp)], self.chunk)
+
+    def index(self, rank: int, device=None) -> torch.Tensor:
+        """int64 [local_len]: global position of each of rank's local tokens."""
+        parts = [torch.arange(g0, g1, device=device) for g0, g1, _ in self.runs(rank)]
+        return torch.cat(parts)
+
+    def doc_ids(self, rank: int, device=None) -> torch.Tensor:
+        """int64 [local_len]: document index of each local token, -1 for padding."""
+        return doc_ids(self.cu_seqlens, self.index(rank, device))
+
+    def positions(self, rank: int, device=None) -> torch.Tensor:
+        """int64 [local_len]: document-relative position of each local token (RoPE); 0 for padding."""
+        return doc_positions(self.cu_seqlens, self.index(rank, device))
+
+
+def _flatten(obj):
+    if isinstance(obj, tuple):
+        for o in obj:
+            yield from _flatten(o)
+    else:
+        yield -1 if obj is None else int(obj)
+
+
+def _check_rank(rank: int, cp: int) -> int:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < cp:
+        raise ValueError(f"rank {rank!r} is outside the CP group of size {cp}")
+    return rank
+
+
+def _runs(chunks: Tuple[int, ...], chunk: int) -> Tuple[Tuple[int, int, int], ...]:
+    out, local = [], 0
+    for c in chunks:
+        g0, g1 = c * chunk, (c + 1) * chunk
+        if out and out[-1][1] == g0:
+            out[-1] = (out[-1][0], g1, out[-1][2])
+        else:
+            out.append((g0, g1, local))
+        local += chunk
+    return tuple(out)
+
+
+def doc_ids(cu: Sequence[int], pos: torch.Tensor) -> torch.Tensor:
+    """Document index of global positions `pos` (any int tensor), -1 at or past cu[-1]."""
+    bounds = torch.tensor(cu, dtype=torch.int64, device=pos.device)
+    ids = torch.searchsorted(bounds, pos.to(torch.int64), right=True) - 1
+    return torch.where(pos.to(torch.int64) >= cu[-1], torch.full_like(ids, -1), ids)
+
+
+def doc_positions(cu: Sequence[int], pos: torch.Tensor) -> torch.Tensor:
+    """Document-relative positions of global positions `pos`; 0 for padding."""
+    ids = doc_ids(cu, pos)
+    bounds = torch.tensor(cu, dtype=torch.int64, device=pos.device)
+    rel = pos.to(torch.int64) - bounds[ids.clamp(min=0)]
+    return torch.where(ids < 0, torch.zeros_like(rel), rel)
+
+
+def doc_of(cu: Tuple[int, ...], t: int) -> int:
+    """Document index of global token t, or -1 for padding."""
+    return -1 if t >= cu[-1] else bisect_right(cu, t) - 1
+
+
+def packed_layout(cu_seqlens, seq_len: int, cp: int, *, causal: bool = True, window=None,
+                  rank=None) -> PackedLayout:
+    """The packed layout of a stream of `seq_len` tokens (>= the last boundary) over `cp` ranks,
+    balanced for causal (default) or full attention with an optional window. Cached."""
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp must be a positive int, got {cp!r}")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    cu = check_cu_seqlens(cu_seqlens, seq_len, rank=rank)
+    return _layout(cu, padded_len(seq_len, cp), cp, normalize_window(window, causal))
+
+
+@lru_cache(maxsize=64)
+def _layout(cu: Tuple[int, ...], seq_len: int, cp: int, window: Window) -> PackedLayout:
+    counts = token_area(cu, seq_len, window)
+    if cp == 1:
+        return PackedLayout(cu, seq_len, 1, window, seq_len, ((0,),), (int(counts.sum()),))
+    best = None
+    for m in CHUNK_CHOICES:
+        chunk = seq_len // (cp * m)
+        areas = counts.view(cp * m, chunk).sum(dim=1).tolist()
+        chunks = assign_chunks(areas, cp)
+        load = tuple(sum(areas[c] for c in held) for held in chunks)
+        layout = PackedLayout(cu, seq_len, cp, window, chunk, chunks, load)
+        if layout.imbalance <= GOOD_ENOUGH:
+            return layout
+        if best is None or layout.imbalance < best.imbalance:
+            best = layout
+    return best
