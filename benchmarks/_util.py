@@ -11,12 +11,28 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+OUT_DIR_HELP = ("folder for the JSON and PNG (default: benchmarks/results/; a dry run: $OUT, "
+                "else a new temporary folder)")
+
+
+def out_dir_for(requested: Optional[str], dry: bool) -> str:
+    """Where a run writes its JSON and PNG: --out-dir when given; a dry run (CPU, tiny shapes:
+    a check of the script, not a measurement) goes to $OUT or a fresh temporary folder, so it
+    never overwrites the tracked figures in benchmarks/results/; a real run goes there."""
+    if requested:
+        return requested
+    if not dry:
+        return RESULTS
+    if os.environ.get("OUT"):
+        return os.environ["OUT"]
+    return tempfile.mkdtemp(prefix="cp_softcap_dry_run_")
 
 
 def causal_fwd_flops(b: int, hq: int, s: int, d: int) -> float:

@@ -9,7 +9,8 @@ For each S and comm: fwd+bwd time of cps.cp_attention on the local zigzag shards
 median of do_bench), softcap 50, Gemma2-9B heads (16/8, D=256) by default, against the ideal
 = single-GPU full attention (cps.attention, measured on rank 0 alone) / N.
 ratio = cp time / ideal (1.0 = perfect). N = 1 runs the single-device path (group of size 1).
-Writes benchmarks/results/cp_multi_N<N>[_tag].json and .png on rank 0.
+Writes benchmarks/results/cp_multi_N<N>[_tag].json and .png on rank 0 (a dry run: into $OUT
+or a new temporary folder, never into the tracked results).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cp_softcap as cps                                           # noqa: E402
 from cp_softcap.sharding import shard                              # noqa: E402
-from benchmarks._util import RESULTS, bar_plot, bench_ms, save, table  # noqa: E402
+from benchmarks._util import OUT_DIR_HELP, out_dir_for, bar_plot, bench_ms, save, table  # noqa: E402
 
 
 def fwd_bwd(fn, q, k, v, dout):
@@ -44,10 +45,11 @@ def main(argv=None) -> int:
     p.add_argument("--softcap", type=float, default=50.0)
     p.add_argument("--rep-ms", type=int, default=300)
     p.add_argument("--tag", default="", help="suffix of the output files: cp_multi_N<N>_<tag>.json")
-    p.add_argument("--out-dir", default=RESULTS)
+    p.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
     p.add_argument("--dry-run", action="store_true")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not a.dry_run
+    a.out_dir = out_dir_for(a.out_dir, dry=not cuda)
     if "RANK" not in os.environ:                     # plain python: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))

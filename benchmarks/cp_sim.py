@@ -13,8 +13,8 @@ their concatenated keys) and run through cp_softcap.cp.ring.forward_calls / back
 random K/V blocks of the sizes the ring would receive. Backward: prepare_backward once, each
 call's kernel backward with the final merged (O, LSE), float32 dQ, per-block dK/dV partials in
 the dtype the ring returns them (ring.return_dtype), plus the adds of the partials other ranks
-would return. Writes
-benchmarks/results/cp_sim[_tag].json and .png.
+would return. Writes benchmarks/results/cp_sim[_tag].json and .png (a dry run: into $OUT or a new
+temporary folder, never into the tracked results).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from cp_softcap.layout import block_plan, key_range, plan_step, ring_blocks  # n
 from cp_softcap.merge import new_accumulator                        # noqa: E402
 from cp_softcap.spec import make_spec                               # noqa: E402
 from cp_softcap.selector import select                              # noqa: E402
-from benchmarks._util import RESULTS, bar_plot, bench_ms, save, table  # noqa: E402
+from benchmarks._util import OUT_DIR_HELP, out_dir_for, bar_plot, bench_ms, save, table  # noqa: E402
 
 
 class RankSim:
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, default=0, help="which ring rank to simulate")
     p.add_argument("--kernel", default="auto", help="fa4 | flex | ... | auto (selector)")
     p.add_argument("--rep-ms", type=int, default=300)
-    p.add_argument("--out-dir", default=RESULTS)
+    p.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
     p.add_argument("--graph", action="store_true",
                    help="also time a CUDA-graph replay of the rank's work (no host overhead)")
     p.add_argument("--profile", action="store_true",
@@ -175,6 +175,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     hq, hkv, d = a.heads
+    a.out_dir = out_dir_for(a.out_dir, dry=a.dry_run or dev == "cpu")
     if a.dry_run or dev == "cpu":
         a.seqs, a.cps, (hq, hkv, d), a.rep_ms = [512], [2, 4], (4, 2, 32), 10
         a.block_keys = [0, 256]

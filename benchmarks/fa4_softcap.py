@@ -5,7 +5,8 @@ softcap in the same run, plus how far the two implementations' results are apart
     python benchmarks/fa4_softcap.py            # H200: 9B / 27B heads, S = 8K and 32K, cap 50
     python benchmarks/fa4_softcap.py --dry-run  # CPU: checks the script only (torch kernel)
 
-Writes benchmarks/results/fa4_softcap.json and .png. Same conventions as kernels.py.
+Writes benchmarks/results/fa4_softcap.json and .png (a dry run: into $OUT or a new temporary
+folder). Same conventions as kernels.py.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cp_softcap.kernels import get_kernel                              # noqa: E402
-from benchmarks._util import RESULTS, bench_ms, causal_fwd_flops, case_plot, save, table  # noqa: E402
+from benchmarks._util import OUT_DIR_HELP, out_dir_for, bench_ms, causal_fwd_flops, case_plot, save, table  # noqa: E402
 from benchmarks.kernels import MODELS, cudnn_baseline, raw_kernel     # noqa: E402
 
 
@@ -46,10 +47,11 @@ def main(argv=None) -> int:
     p.add_argument("--models", nargs="+", default=list(MODELS))
     p.add_argument("--softcap", type=float, default=50.0)
     p.add_argument("--rep-ms", type=int, default=200)
-    p.add_argument("--out-dir", default=RESULTS)
+    p.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
     p.add_argument("--dry-run", action="store_true")
     a = p.parse_args(argv)
     dry = a.dry_run or not torch.cuda.is_available()
+    a.out_dir = out_dir_for(a.out_dir, dry=dry)
     dev, dtype = ("cpu", torch.float32) if dry else ("cuda", torch.bfloat16)
     if dry:
         a.seqs, a.rep_ms = [256], 10

@@ -5,8 +5,8 @@ without softcap in the same run, plus the framework overhead of cps.attention ov
                                                  # D=128), S = 8K and 32K, causal, bf16, B=1
     python benchmarks/kernels.py --dry-run       # CPU: tiny shapes, checks the script only
 
-Writes benchmarks/results/kernels.json and kernels.png. Conventions: causal forward FLOPs
-4*B*Hq*S^2*D/2, fwd+bwd = 3.5x forward; median of triton.testing.do_bench after a warm-up.
+Writes benchmarks/results/kernels.json and kernels.png (a dry run: into $OUT or a new temporary
+folder). Conventions: causal forward FLOPs 4*B*Hq*S^2*D/2, fwd+bwd = 3.5x forward; median of triton.testing.do_bench after a warm-up.
 Raw kernel fwd+bwd = adapter forward then adapter backward (what the ring calls per pair);
 cuDNN baseline = F.scaled_dot_product_attention restricted to the cuDNN backend (K/V expanded
 for GQA before timing), fwd+bwd through autograd.
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cp_softcap as cps                                              # noqa: E402
 from cp_softcap.kernels import get_kernel                             # noqa: E402
 from cp_softcap.spec import make_spec                                 # noqa: E402
-from benchmarks._util import (RESULTS, bench_ms, case_plot, causal_fwd_flops, save,  # noqa: E402
+from benchmarks._util import (OUT_DIR_HELP, out_dir_for, bench_ms, case_plot, causal_fwd_flops, save,  # noqa: E402
                               table)
 
 MODELS = {"9B": (16, 8, 256), "27B": (32, 16, 128)}
@@ -82,12 +82,13 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", nargs="+", default=None,
                    help="kernel:cap pairs instead of kernels x caps, e.g. fa4:50 fa4:0 flex:50 sdpa:0")
     p.add_argument("--rep-ms", type=int, default=200)
-    p.add_argument("--out-dir", default=RESULTS)
+    p.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
     p.add_argument("--tag", default="", help="suffix of the output files: kernels_<tag>.json")
     p.add_argument("--no-baseline", action="store_true", help="skip the cuDNN F.sdpa rows")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, torch kernel")
     a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    a.out_dir = out_dir_for(a.out_dir, dry=a.dry_run or dev == "cpu")
     if a.dry_run or dev == "cpu":
         a.seqs, a.kernels, a.rep_ms, a.pairs = [256], ["torch", "sdpa"], 10, None
         MODELS.update({"9B": (4, 2, 64), "27B": (4, 4, 32)})
