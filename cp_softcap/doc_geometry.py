@@ -163,10 +163,8 @@ def run_calls(cu: Tuple[int, ...], q_runs: Sequence[Run], k_runs: Sequence[Run],
             last = min(bisect_right(cu, qg1 - 1), bisect_right(cu, kg1 - 1)) - 1
             for d in range(first, min(last, last_doc) + 1):
                 a, b = cu[d], cu[d + 1]
-                qa, qb, ka, kb = max(a, qg0), min(b, qg1) - 1, max(a, kg0), min(b, kg1) - 1
-                if qa > qb or ka > kb:
-                    continue
-                box = _trim(qa, qb, ka, kb, window)
+                # empty intersections (qa > qb or ka > kb) come back as None from _trim
+                box = _trim(max(a, qg0), min(b, qg1) - 1, max(a, kg0), min(b, kg1) - 1, window)
                 if box is not None:
                     qa, qb, ka, kb, raw = box
                     boxes.append((qa - qg0 + ql, qb - qg0 + ql + 1, ka - kg0 + kl, kb - kg0 + kl + 1, raw))
