@@ -1,0 +1,103 @@
+"""README's code is real: every Python block is a verbatim excerpt of an example program, and the
+examples, the selector CLI commands and the benchmarks' dry runs run as written in a fresh copy
+of the repository, which stays clean (nothing written into tracked or untracked paths)."""
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+EXAMPLES = ("examples/minimal_cp.py", "examples/hf_cp.py")
+DRY_RUNS = ("benchmarks/cp_multi.py", "benchmarks/cp_sim.py", "benchmarks/fa4_softcap.py",
+            "benchmarks/kernels.py")
+# bash blocks whose commands set up a venv or launch the Gemma2 job: CI runs the test command
+# itself (.ci/run) and tests_dist/test_gemma2_train.py runs the training script under torchrun
+COVERED_ELSEWHERE = ("python3 -m venv", "pip install", "torchrun", "launch/", "sbatch")
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def fenced_blocks(text: str, lang: str):
+    return [m.group(1) for m in re.finditer(rf"^```{lang}\n(.*?)^```$", text, re.S | re.M)]
+
+
+def excerpts(path: str) -> dict:
+    """{name: text} of the `# [README:name begin]` ... `# [README:name end]` blocks of a file."""
+    src = (ROOT / path).read_text()
+    found = dict(re.findall(r"^# \[README:([\w-]+) begin\]\n(.*?)^# \[README:\1 end\]\n", src, re.S | re.M))
+    assert found, f"{path} has no README excerpt markers"
+    return found
+
+
+def readme_commands():
+    """The bash commands of README that run on a CPU machine in seconds."""
+    cmds = []
+    for block in fenced_blocks(README.read_text(), "bash"):
+        for line in block.strip().splitlines():
+            if line.startswith(COVERED_ELSEWHERE):
+                continue
+            assert line.startswith(("python -m cp_softcap", "python examples/", "python benchmarks/")), (
+                f"README bash line {line!r} is neither run by tests/test_readme.py nor listed in its "
+                "COVERED_ELSEWHERE; run it here or say where it is tested")
+            cmds.append(line)
+    return cmds
+
+
+def test_python_blocks_are_excerpts_of_the_examples():
+    blocks = fenced_blocks(README.read_text(), "python")
+    wanted = {f"{path}:{name}": text for path in EXAMPLES for name, text in excerpts(path).items()}
+    for key, text in wanted.items():
+        assert text in blocks, (f"README has no ```python block equal to the excerpt {key}; copy the "
+                                "lines between its markers verbatim")
+    stray = [b.splitlines()[0] for b in blocks if b not in wanted.values()]
+    assert not stray, f"README python blocks that no example runs (first lines): {stray}"
+
+
+def test_readme_names_commands_that_run():
+    cmds = readme_commands()
+    assert any(c.startswith("python -m cp_softcap") for c in cmds), cmds
+    assert not any("..." in c for c in cmds), cmds
+
+
+def fresh_copy(dest: Path) -> Path:
+    """The tracked and untracked-but-not-ignored files of this checkout, committed into a new
+    git repository: a clone of the working tree, so uncommitted edits are tested too."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(git + ["init", "-q"], cwd=dest, check=True)
+    subprocess.run(git + ["add", "-A"], cwd=dest, check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "copy"], cwd=dest, check=True)
+    return dest
+
+
+def test_examples_and_commands_run_in_a_fresh_copy_that_stays_clean(tmp_path):
+    repo = fresh_copy(tmp_path / "repo")
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(repo)           # the copy's package, not the installed checkout
+    env["CP_SOFTCAP_TIMEOUT"] = "120"
+    with socket.socket() as s:              # cp_multi's world of one needs a free port
+        s.bind(("127.0.0.1", 0))
+        env["MASTER_PORT"] = str(s.getsockname()[1])
+    cmds = readme_commands() + [f"python {e}" for e in EXAMPLES] + [f"python {b} --dry-run" for b in DRY_RUNS]
+    for cmd in dict.fromkeys(cmds):         # README also names the examples: run each once
+        argv = cmd.split()
+        argv[0] = sys.executable
+        res = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=240)
+        assert res.returncode == 0, f"{cmd} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+        if cmd.startswith("python examples/"):
+            assert "-> OK" in res.stdout, f"{cmd} printed no OK line:\n{res.stdout}"
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=repo,
+                            capture_output=True, text=True, check=True).stdout
+    assert status == "", f"the documented commands left the repository dirty:\n{status}"
