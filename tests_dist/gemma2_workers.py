@@ -53,8 +53,10 @@ def recipe(out_path: str, comms: str = "ring") -> None:
     from gemma2 import parallel
     from gemma2.config import get_config
     from gemma2.model import Gemma2, assign, loss_sum
+    from gemma2.parallelize import apply_fsdp
+    from gemma2.step import labels_of, loss_and_grads
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     cfg = get_config("tiny", num_hidden_layers=2, sliding_window=16, attn_logit_softcapping=5.0)
     torch.manual_seed(0)
     ref = Gemma2(cfg)
@@ -62,7 +64,7 @@ def recipe(out_path: str, comms: str = "ring") -> None:
     seq = 64                                   # > sliding window 16; multiple of 2 * 4
     tokens = torch.randint(3, cfg.vocab_size, (4, seq + 1))
     tokens[1, -5:] = 0                         # padding (not predicted): the token count matters
-    lab = parallel.labels_of(tokens, pad_id=0)
+    lab = labels_of(tokens, pad_id=0)
     ref_loss = loss_sum(ref(tokens[:, :-1]), lab) / (lab != -100).sum()
     ref_loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
@@ -72,7 +74,7 @@ def recipe(out_path: str, comms: str = "ring") -> None:
         if fsdp:       # FSDP2-sharded, built on meta like train.py --fsdp
             with torch.device("meta"):
                 model = Gemma2(cfg, group, comm=comm)
-            parallel.shard_model(model, d)
+            apply_fsdp(model, d)
             model.to_empty(device="cpu")
             with torch.no_grad():
                 for n, p in model.named_parameters():
@@ -80,7 +82,7 @@ def recipe(out_path: str, comms: str = "ring") -> None:
         else:
             model = Gemma2(cfg, group, comm=comm)
             model.load_state_dict(ref.state_dict())
-        loss = parallel.loss_and_grads(model, tokens[rows].clone(), d, pad_id=0)
+        loss = loss_and_grads(model, tokens[rows].clone(), d, pad_id=0)
         grads = {n: (p.grad.full_tensor() if fsdp else p.grad) for n, p in model.named_parameters()}
         bad = [n for n, g in grads.items() if g is None or not torch.isfinite(g).all()]
         if bad or not torch.isfinite(loss):
@@ -104,16 +106,14 @@ def recipe(out_path: str, comms: str = "ring") -> None:
     # cp = 2 alone: ranks {0,1} and {2,3} each run the whole batch as an independent cp=2 job
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     g = groups[rank // 2]
-    d = parallel.Dist(rank=rank, world=world, local_rank=rank, device=torch.device("cpu"), backend="gloo",
-                      dp=1, cp=2, dp_rank=0, cp_rank=rank % 2, mesh=None, dp_group=None, cp_group=g,
-                      grad_group=g)
+    d = parallel.subgroup_dist(g)
     errs.update(check(d, slice(0, 4), "cp2"))
     # negative control: without the window on sliding layers the CP result must differ
     model = Gemma2(cfg, groups[rank // 2])
     model.load_state_dict(ref.state_dict())
     for layer in model.model.layers:
         layer.self_attn.attn.window = (None, 0)
-    neg = parallel.loss_and_grads(model, tokens.clone(), d, pad_id=0)
+    neg = loss_and_grads(model, tokens.clone(), d, pad_id=0)
     errs["control: no window, loss"] = abs(neg.item() - ref_loss.item()) / abs(ref_loss.item())
     errs = worst_over_ranks(errs)
     if rank == 0:

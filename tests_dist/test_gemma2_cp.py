@@ -59,7 +59,9 @@ def test_comm_flag_checks():
     """train.py's --comm / --a2a-size verdicts (parallel.check_comm), before any process group."""
     sys.path.insert(0, os.path.join(os.path.dirname(L.TRAIN), os.pardir))
     from gemma2 import parallel
-    from gemma2.train import parse_args
+    from gemma2.flags import parser
+
+    parse_args = parser("").parse_args
 
     for comm in ("ring", "all_gather", "a2a", "auto"):
         parallel.check_comm(comm, 4, 4)

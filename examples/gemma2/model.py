@@ -16,10 +16,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from cp_softcap import CPAttention
 
 from .config import Gemma2Config
+from .loss import softcap_cross_entropy_sum
 
 
 class RMSNorm(nn.Module):
@@ -65,13 +67,17 @@ class Attention(nn.Module):
                                 window=(cfg.sliding_window - 1, 0) if sliding else None,
                                 scale=cfg.scale, comm=comm, backend=backend)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, S, hidden] -> q [B, S, Hq, D], k, v [B, S, Hkv, D], RoPE applied to q and k."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.h, self.d)
         k = self.k_proj(x).view(b, s, self.hkv, self.d)
         v = self.v_proj(x).view(b, s, self.hkv, self.d)
-        q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
-        return self.o_proj(self.attn(q, k, v).reshape(b, s, self.h * self.d))
+        return apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        return self.o_proj(self.attn(*self.project(x, cos, sin)).reshape(b, s, self.h * self.d))
 
 
 class MLP(nn.Module):
@@ -86,7 +92,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Sandwich norms: x + post_attn(attn(input(x))), then x + post_ffn(mlp(pre_ffn(x)))."""
+    """Sandwich norms: x + post_attn(attn(input(x))), then x + post_ffn(mlp(pre_ffn(x))).
+
+    `ac` picks what backward recomputes instead of keeping (torch.utils.checkpoint,
+    use_reentrant=False): "none"; "full", the whole layer (its CP attention, collectives included,
+    runs again); "mlp", the feed-forward half only (attention's activations are kept, so backward
+    never reruns attention or its collectives). The three pieces around attention
+    (pre_attention, post_attention, feed_forward) are what --compile compiles, so attention stays
+    outside every compiled graph.
+    """
 
     def __init__(self, cfg: Gemma2Config, layer: int, cp_group, comm: str, backend: str):
         super().__init__()
@@ -97,10 +111,28 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.ac = "none"
+
+    def pre_attention(self, x, cos, sin):
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def post_attention(self, x, out):
+        b, s, _ = x.shape
+        return x + self.post_attention_layernorm(self.self_attn.o_proj(out.reshape(b, s, -1)))
+
+    def feed_forward(self, x):
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+    def _layer(self, x, cos, sin):
+        x = self.post_attention(x, self.self_attn.attn(*self.pre_attention(x, cos, sin)))
+        if self.ac == "mlp":
+            return checkpoint(self.feed_forward, x, use_reentrant=False)
+        return self.feed_forward(x)
 
     def forward(self, x, cos, sin):
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        if self.ac == "full":
+            return checkpoint(self._layer, x, cos, sin, use_reentrant=False)
+        return self._layer(x, cos, sin)
 
 
 class Gemma2Body(nn.Module):
@@ -126,6 +158,7 @@ class Gemma2(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Gemma2Body(cfg, cp_group, comm, backend)
+        self.loss_chunk: Optional[int] = None     # tokens per loss slice (None: 256 MiB of logits)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
@@ -140,7 +173,11 @@ class Gemma2(nn.Module):
                 full = torch.zeros(p.shape)
             assign(p, full)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Without labels: the logits. With labels [B, S_local] (-100 = not predicted): the float32
+        cross-entropy SUM over this rank's tokens, computed `loss_chunk` tokens at a time
+        (loss.py), so the [tokens, vocab] logits never exist."""
         cfg, emb = self.cfg, self.model.embed_tokens
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
@@ -148,8 +185,10 @@ class Gemma2(nn.Module):
         cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
-        logits = F.linear(self.model.norm(x), emb.weight)     # tied lm_head
-        cap = cfg.final_logit_softcapping
+        h, cap = self.model.norm(x), cfg.final_logit_softcapping
+        if labels is not None:
+            return softcap_cross_entropy_sum(h, emb.weight, labels, cap, self.loss_chunk)
+        logits = F.linear(h, emb.weight)     # tied lm_head
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def num_params(self) -> int:

@@ -1,10 +1,6 @@
-"""Process groups and the context-parallel training recipe (see docs: gemma2.md).
-
-Ranks form a dp x cp DeviceMesh with cp on adjacent ranks. All cp ranks of one dp group read the
-same batch; each keeps its zigzag shard of ids, labels and position ids. The loss on each rank is
-its local cross-entropy SUM divided by the number of valid tokens of the whole step (counted
-before sharding, summed over dp); gradients are then SUMMED over dp x cp, which makes the result
-equal the single-process loss and gradients.
+"""Setup: the device, the process group and the dp x cp DeviceMesh (cp on adjacent ranks), and
+the group CPAttention gets for each --comm. Applying AC, compile and FSDP2 to the model is
+parallelize.py; the training step (the CP recipe) is step.py.
 """
 from __future__ import annotations
 
@@ -16,26 +12,50 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cp_softcap import sharding
-from cp_softcap.spec import COMM_TYPES
+COMMS = ("ring", "all_gather", "a2a", "a2a+p2p", "auto")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Dist:
-    rank: int
-    world: int
-    local_rank: int
-    device: torch.device
-    backend: str
-    dp: int
-    cp: int
-    dp_rank: int
-    cp_rank: int
-    mesh: object          # DeviceMesh ("dp", "cp")
-    dp_group: object
-    cp_group: object
-    grad_group: object = None   # the dp x cp ranks that share one model (None = the whole world)
-    fsdp: bool = False          # parameters sharded by FSDP2 (which then sums the gradients)
+    """This rank's place in the dp x cp mesh; everything is read from the mesh.
+
+    mesh: a DeviceMesh with dims ("dp", "cp"), or ("cp",) alone for a CP job on a subgroup (dp 1).
+    """
+    mesh: object
+
+    def _size(self, dim: str) -> int:
+        return self.mesh[dim].size() if dim in self.mesh.mesh_dim_names else 1
+
+    def _rank(self, dim: str) -> int:
+        return self.mesh.get_local_rank(dim) if dim in self.mesh.mesh_dim_names else 0
+
+    dp = property(lambda self: self._size("dp"))
+    cp = property(lambda self: self._size("cp"))
+    dp_rank = property(lambda self: self._rank("dp"))
+    cp_rank = property(lambda self: self._rank("cp"))
+    world = property(lambda self: self.mesh.size())
+    rank = property(lambda self: dist.get_rank())
+    cp_group = property(lambda self: self.mesh.get_group("cp"))
+
+    @property
+    def dp_group(self):
+        return self.mesh.get_group("dp") if self.dp > 1 else None
+
+    @property
+    def grad_group(self):
+        """The ranks that share one model and sum its gradients: all of the mesh (None = world)."""
+        if self.mesh.size() == dist.get_world_size():
+            return None
+        if self.mesh.ndim != 1:
+            raise ValueError("a dp x cp mesh must span the whole world; build a ('cp',) mesh "
+                             "for a CP job on a subgroup")
+        return self.mesh.get_group()
+
+    @property
+    def device(self) -> torch.device:
+        if self.mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.mesh.device_type)
 
 
 def _free_port() -> int:
@@ -92,19 +112,18 @@ def make_dist(cp: Optional[int], dev: torch.device) -> Dist:
     """The dp x cp DeviceMesh over the initialised world (cp on adjacent ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     cp = world if cp is None else cp
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1 or world % cp != 0:
         raise ValueError(f"--cp {cp} must be a positive divisor of the world size {world} "
                          f"(dp = world / cp); e.g. --cp {world} or --cp 1")
-    mesh = init_device_mesh(dev.type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
-    return Dist(rank=rank, world=world, local_rank=int(os.environ.get("LOCAL_RANK", 0)), device=dev,
-                backend=dist.get_backend(), dp=world // cp, cp=cp, dp_rank=mesh.get_local_rank("dp"),
-                cp_rank=mesh.get_local_rank("cp"), mesh=mesh, dp_group=mesh.get_group("dp"),
-                cp_group=mesh.get_group("cp"))
+    return Dist(init_device_mesh(dev.type, (world // cp, cp), mesh_dim_names=("dp", "cp")))
 
 
-COMMS = COMM_TYPES      # ring, all_gather, a2a, a2a+p2p, auto
+def subgroup_dist(group, device_type: str = "cpu") -> Dist:
+    """A CP-only Dist over an existing process group (dp 1): a job that runs on some ranks."""
+    from torch.distributed.device_mesh import DeviceMesh
+    return Dist(DeviceMesh.from_group(group, device_type, mesh_dim_names=("cp",)))
 
 
 def check_comm(comm: str, cp: int, num_heads: int, a2a_size: Optional[int] = None) -> None:
@@ -150,79 +169,3 @@ def attention_group(d: Dist, comm: str, num_heads: int, a2a_size: Optional[int] 
     mesh = init_device_mesh(d.device.type, (d.dp, d.cp // a2a_size, a2a_size),
                             mesh_dim_names=("dp", "ring", "a2a"))
     return mesh.get_group("a2a"), mesh.get_group("ring")
-
-
-def shard_model(model, d: Dist) -> None:
-    """FSDP2 over all dp x cp ranks (each decoder layer, then the root): parameters, gradients and
-    optimizer state sharded. Gradients are SUMMED, not averaged, as the CP recipe needs."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    mesh = init_device_mesh(d.device.type, (d.world,), mesh_dim_names=("fsdp",))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)    # gloo has no pre-divided reduce-scatter
-    d.fsdp = True
-
-
-def shard_batch(tokens: torch.Tensor, cp: int, cp_rank: int, pad_id: Optional[int] = None):
-    """tokens [B, S+1] (the same on all cp ranks) -> (inputs, labels, positions), each [B, S/cp]:
-    labels are shifted on the full sequence first (labels equal to pad_id become -100), then all
-    three get the same zigzag shard."""
-    inp, lab = tokens[:, :-1], labels_of(tokens, pad_id)
-    pos = torch.arange(inp.shape[1], device=tokens.device).expand_as(inp)
-    sharding.check_divisible(inp.shape[1], cp, what="--seq-len", rank=cp_rank)
-    return (sharding.shard(inp, cp, cp_rank), sharding.shard(lab, cp, cp_rank),
-            sharding.shard(pos, cp, cp_rank))
-
-
-def labels_of(tokens: torch.Tensor, pad_id: Optional[int] = None) -> torch.Tensor:
-    """tokens [B, S+1] -> next-token labels [B, S], pad_id masked to -100."""
-    lab = tokens[:, 1:]
-    return lab if pad_id is None else lab.masked_fill(lab == pad_id, -100)
-
-
-def count_valid(labels_full: torch.Tensor, d: Dist) -> torch.Tensor:
-    """Valid (!= -100) labels of the whole step: this dp group's full batch, summed over dp."""
-    n = (labels_full != -100).sum().to(d.device, torch.float64)
-    if d.dp > 1:
-        dist.all_reduce(n, group=d.dp_group)
-    return n
-
-
-def sum_grads(params, group=None) -> None:
-    """SUM every gradient over `group` (default: the whole dp x cp world), in one flat buffer."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads or dist.get_world_size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def loss_and_grads(model, tokens: torch.Tensor, d: Dist, autocast=None,
-                   pad_id: Optional[int] = None) -> torch.Tensor:
-    """One step's forward+backward with the CP recipe. tokens [B, S+1]: this dp group's batch
-    (pad_id tokens are not predicted). Leaves the SUMMED (dp x cp) gradients in .grad; returns
-    the global mean loss over valid tokens (a 0-d tensor, the same on every rank)."""
-    from .model import loss_sum
-
-    inp, lab, pos = (t.to(d.device) for t in shard_batch(tokens, d.cp, d.cp_rank, pad_id))
-    n_valid = count_valid(labels_of(tokens, pad_id), d)
-    ctx = autocast if autocast is not None else torch.autocast(d.device.type, enabled=False)
-    with ctx:
-        logits = model(inp, pos)
-    loss = loss_sum(logits, lab) / n_valid.to(torch.float32)
-    loss.backward()
-    if not d.fsdp:
-        sum_grads([p for p in model.parameters()], d.grad_group)
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=d.grad_group)
-    return total

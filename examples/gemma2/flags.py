@@ -1,0 +1,146 @@
+"""Command-line flags of train.py, checked in full before any process group or model exists.
+
+Every rank parses the same argv, so every rank reaches the same verdict; only rank 0 (or the
+process before torchrun spawns, or a plain run) prints it, then all exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+from .config import CONFIGS, from_hf_json, get_config
+from .data import ByteTokenizer
+from .parallel import COMMS, check_comm
+from .parallelize import AC_MODES
+
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def is_lead() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        if is_lead():
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def parser(doc: str) -> Parser:
+    p = Parser(description=doc, formatter_class=_Help)
+    a = p.add_argument
+    a("--config", default="tiny", choices=sorted(CONFIGS), help="model shape (ignored with --model-dir)")
+    a("--model-dir", help="local HF Gemma2 checkpoint dir (config.json, *.safetensors, tokenizer)")
+    a("--data", help="UTF-8 text file or .pt 1-D token tensor (None: stdlib pydoc_data.topics)")
+    a("--cp", type=int, help="context-parallel size (None: all ranks; dp = world / cp)")
+    a("--comm", default="ring", choices=COMMS,
+      help="CP algorithm: ring (zigzag ring), all_gather, a2a (Ulysses: query heads %% cp == 0), "
+      "a2a+p2p (a2a in groups of --a2a-size, ring across them), auto (fewest bytes per rank)")
+    a("--a2a-size", type=int, help="all-to-all group size for --comm a2a+p2p (divides cp and the heads)")
+    a("--backend", default="auto", help="attention kernel (auto = cp_softcap's selector)")
+    a("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    a("--dtype", default="auto", choices=DTYPES,
+      help="compute dtype over float32 weights (autocast); auto = bfloat16 on GPU, float32 on CPU")
+    a("--fsdp", action="store_true", help="shard parameters, grads and optimizer state over all ranks "
+      "(FSDP2); needed for 9b/27b. Off: a full replica per rank, gradients all-reduced")
+    a("--ac", default="none", choices=AC_MODES,
+      help="activation checkpointing: full recomputes each layer in backward, selective its MLP half")
+    a("--compile", action="store_true", help="torch.compile the pieces of each layer around attention")
+    a("--loss-chunk", type=int, help="tokens per cross-entropy slice (None: 256 MiB of float32 logits)")
+    a("--seq-len", type=int, default=256, help="global sequence length (a multiple of 2*cp)")
+    a("--batch-size", type=int, default=8, help="sequences per dp rank per step")
+    a("--max-steps", type=int, default=50, help="total optimizer steps (sets the LR schedule)")
+    a("--stop-after", type=int, help="stop after this many steps in this run (e.g. a job time limit)")
+    a("--lr", type=float, default=3e-3, help="peak learning rate")
+    a("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr * this")
+    a("--warmup", type=int, default=5, help="linear warmup steps")
+    a("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
+    a("--grad-clip", type=float, default=1.0, help="max global grad norm (0 = off)")
+    a("--seed", type=int, default=0, help="model init seed (all ranks); data seeds add the dp rank")
+    a("--ckpt-dir", help="checkpoint folder; resumes from its newest complete step-N")
+    a("--ckpt-every", type=int, default=0, help="save every N steps (0 = only at the end)")
+    a("--keep", type=int, default=2, help="complete checkpoints to keep in --ckpt-dir: older ones "
+      "are deleted after each save (0 = keep all)")
+    a("--metrics", help="append one JSON line per step here (rank 0); mfu is null on CPU")
+    a("--log-every", type=int, default=1, help="print a metrics line every N steps")
+    a("--no-progress", action="store_true", help="no progress bar")
+    a("--plan", action="store_true", help="print the per-rank memory plan for --world-size ranks "
+      "and exit (no process group, nothing on a device)")
+    a("--world-size", type=int, help="ranks the --plan is for (None: torchrun's WORLD_SIZE, else 1)")
+    a("--device-mem-gib", type=float, help="memory per rank for the plan and the check "
+      "(None: the GPU's total, or the host's memory divided by the ranks on it)")
+    a("--skip-memory-check", action="store_true", help="start even when the plan says it will not fit")
+    return p
+
+
+_AT_LEAST = (("seq_len", 1), ("batch_size", 1), ("max_steps", 1), ("stop_after", 1), ("warmup", 0),
+             ("ckpt_every", 0), ("keep", 0), ("log_every", 1), ("cp", 1), ("loss_chunk", 1),
+             ("world_size", 1), ("grad_clip", 0), ("lr", 0), ("device_mem_gib", 0))
+
+
+def _problems(args, world: int, cfg):
+    for name, low in _AT_LEAST:
+        value = getattr(args, name)
+        if value is not None and value < low:
+            yield f"--{name.replace('_', '-')} must be >= {low}, got {value}"
+    cp = args.cp or world
+    if args.cp and world % args.cp:
+        yield (f"--cp {args.cp} must divide the world size {world} (dp = world / cp); "
+               f"divisors: {', '.join(str(c) for c in range(1, world + 1) if world % c == 0)}")
+    elif args.seq_len >= 1 and args.seq_len % (2 * cp):
+        good = (args.seq_len // (2 * cp) + 1) * 2 * cp
+        yield (f"--seq-len {args.seq_len} must be a multiple of 2*cp = {2 * cp} (zigzag: 2 chunks per "
+               f"CP rank); use --seq-len {good}, or a different --cp")
+    try:
+        check_comm(args.comm, cp, cfg.num_attention_heads, args.a2a_size)
+    except ValueError as e:
+        yield str(e)
+    if not args.model_dir and cfg.vocab_size < ByteTokenizer.vocab_size:
+        yield f"config {args.config} has vocab {cfg.vocab_size} < {ByteTokenizer.vocab_size} byte tokens"
+    if args.compile and device_type(args) == "cpu" and not any(map(shutil.which, ("g++", "c++", "clang++"))):
+        yield "--compile on CPU needs a C++ compiler (g++, c++ or clang++) on PATH; install one or drop --compile"
+    if args.device == "cuda" and device_type(args) != "cuda" and not args.plan:
+        yield (f"--device cuda needs one GPU per local rank ({local_world()} on this node); "
+               f"use --nproc-per-node <= the GPU count or --device cpu")
+
+
+def local_world() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+def device_type(args) -> str:
+    """"cuda" when every local rank can have a GPU (and --device allows), else "cpu"."""
+    import torch
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return "cuda" if args.device != "cpu" and 0 < local_world() <= n_gpu else "cpu"
+
+
+def compute_dtype(args) -> str:
+    if args.dtype != "auto":
+        return args.dtype
+    return "bfloat16" if device_type(args) == "cuda" else "float32"
+
+
+def parse(argv=None, doc: str = ""):
+    """(args, cfg, world): parsed and checked; every problem is reported at once, then exit 2."""
+    p = parser(doc)
+    args = p.parse_args(argv)
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
+    if args.world_size and not args.plan:
+        p.error("--world-size is for --plan; under torchrun the world size is the number of ranks")
+    try:
+        cfg = from_hf_json(args.model_dir) if args.model_dir else get_config(args.config)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+    problems = list(_problems(args, world, cfg))
+    if problems:
+        p.error("\n  " + "\n  ".join(problems))
+    return args, cfg, world

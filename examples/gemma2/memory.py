@@ -1,0 +1,181 @@
+"""Per-rank memory plan, made before anything is built on a device: parameter counts come from the
+model built on the meta device, everything else from the flags. README ("Memory plan") explains
+each row and shows how it compares with measured peaks.
+
+Bytes per token of one decoder layer's saved activations are counted tensor by tensor from what
+autograd keeps in model.py's forward: float32 weights, the residual stream and the RMSNorm
+internals in float32, and under bf16 autocast the matmul inputs and outputs in bf16.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import List, Optional, Tuple
+
+GIB = 1 << 30
+RING_BLOCK_KEYS = 32768      # cp_softcap's default for CP_SOFTCAP_RING_BLOCK_KEYS
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the plan depends on (one rank's view)."""
+    cfg: object                  # Gemma2Config
+    seq_len: int
+    batch: int                   # sequences per dp rank
+    world: int
+    cp: int
+    fsdp: bool = False
+    ac: str = "none"
+    dtype: str = "float32"       # compute dtype: float32, or bfloat16 autocast over float32 weights
+    comm: str = "ring"
+    loss_chunk: Optional[int] = None
+    device_type: str = "cpu"
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.cp
+
+    @property
+    def tokens(self) -> int:     # tokens this rank holds
+        return self.batch * self.seq_len // self.cp
+
+
+def param_counts(cfg) -> Tuple[int, int]:
+    """(parameters of one decoder layer, parameters outside the layers), from the meta model."""
+    import torch
+    from .model import Gemma2
+
+    with torch.device("meta"):
+        model = Gemma2(cfg)
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    return layer, model.num_params() - layer * cfg.num_hidden_layers
+
+
+def _halves(cfg, act: int) -> Tuple[int, int]:
+    """Saved bytes per token of a layer's attention half and feed-forward half (act = 2 or 4)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    lse = 4 * cfg.num_attention_heads
+    if act == 4:     # x, norm y, normed; q/k: raw, rotated half, roped; v; attention out; o_proj out, norm y
+        return 20 * h + 16 * q + 16 * kv + lse, 20 * h + 16 * i
+    # bf16 autocast: float32 residual and norm internals, bf16 copies into each matmul
+    return 18 * h + 8 * q + 8 * kv + lse, 18 * h + 8 * i
+
+
+def _attention_buffers(job: Job, act: int) -> int:
+    """Bytes one CPAttention call holds beyond its saved tensors (forward or backward)."""
+    c = job.cfg
+    t, s = job.tokens, job.seq_len
+    kv = c.num_key_value_heads * c.head_dim
+    q = c.num_attention_heads * c.head_dim
+    if job.cp == 1:
+        return 0
+    comm = "ring" if job.comm == "auto" else job.comm
+    if comm in ("ring", "a2a+p2p"):
+        block = int(os.environ.get("CP_SOFTCAP_RING_BLOCK_KEYS", RING_BLOCK_KEYS))
+        keys = job.batch * max(s // job.cp, min(block, s - s // job.cp))
+        return 2 * (2 * keys * kv * act) + 2 * keys * kv * 4      # 2 K/V blocks + float32 dK/dV
+    if comm == "all_gather":
+        return job.batch * s * kv * 2 * (act + 4)                # full K/V + float32 dK/dV
+    kv_heads = max(c.num_key_value_heads, job.cp)                # a2a replicates KV heads < cp
+    return 2 * t * (2 * q + 2 * kv_heads * c.head_dim) * act     # resharded q/k/v/out and grads
+
+
+def _loss_buffers(job: Job, act: int) -> int:
+    from .loss import default_chunk
+    v, h = job.cfg.vocab_size, job.cfg.hidden_size
+    chunk = min(job.tokens, job.loss_chunk or default_chunk(v))
+    return 4 * chunk * v * 4 + 4 * v * h + (2 * v * h if act == 2 else 0)
+
+
+def estimate(job: Job) -> List[Tuple[str, int]]:
+    """[(row, bytes)] for one rank; the last row is the peak."""
+    c = job.cfg
+    layer, root = param_counts(c)
+    n_layers = c.num_hidden_layers
+    total = layer * n_layers + root
+    act = 2 if job.dtype == "bfloat16" else 4
+    shard = job.world if job.fsdp else 1
+    attn_half, mlp_half = _halves(c, act)
+    per_layer = {"none": attn_half + mlp_half, "selective": attn_half + 4 * c.hidden_size,
+                 "full": 4 * c.hidden_size}[job.ac]    # AC keeps a float32 residual per token
+    recompute = {"none": 0, "selective": mlp_half, "full": attn_half + mlp_half}[job.ac]
+    t = job.tokens
+    base = [("parameters (float32)", 4 * total // shard),
+            ("optimizer state (AdamW, 2 x float32)", 8 * total // shard)]
+    during = [("activations kept for backward", t * (per_layer * n_layers + 12 * c.hidden_size
+                                                     + 8 * c.head_dim)),
+              ("activations of one layer recomputed (AC)", t * recompute),
+              (f"attention buffers ({job.comm})", _attention_buffers(job, act)),
+              ("loss slices + tied-embedding gradient", _loss_buffers(job, act))]
+    if act == 2:
+        during.append(("bf16 weight copies kept for backward (autocast)", 2 * layer * n_layers))
+    if job.fsdp:
+        during.append(("FSDP2 unsharded embedding + 2 layers", 4 * (root + 2 * layer)))
+        end = [("gradients (float32, sharded) + embedding reduce-scatter", 4 * total // shard + 4 * root)]
+    else:
+        end = [("gradients (float32) + all-reduce buffer", 8 * total)]
+    rows = [(f"{name} [step]", b) for name, b in during] + [(f"{name} [end]", b) for name, b in end]
+    static = sum(b for _, b in base)
+    step = sum(b for _, b in during)
+    return base + rows + [("peak = parameters + optimizer + max([step], [end])",
+                           static + max(step, end[0][1]))]
+
+
+def device_memory(device_type: str, local_world: int, override_gib: Optional[float] = None) -> int:
+    """Bytes one rank may use: --device-mem-gib, else the GPU's total, else the host's memory
+    shared by the ranks on it."""
+    if override_gib is not None:
+        return int(override_gib * GIB)
+    if device_type == "cuda":
+        import torch
+        return torch.cuda.get_device_properties(0).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local_world)
+
+
+def peak(job: Job) -> int:
+    return estimate(job)[-1][1]
+
+
+def what_fits(job: Job, limit: int) -> List[str]:
+    """Flag changes (cheapest first) under which the estimate fits `limit`."""
+    tries = [("--ac selective", dict(ac="selective")), ("--ac full", dict(ac="full")),
+             ("--fsdp", dict(fsdp=True)), ("--fsdp --ac selective", dict(fsdp=True, ac="selective")),
+             ("--fsdp --ac full", dict(fsdp=True, ac="full"))]
+    cp = job.cp * 2
+    while cp <= job.world and job.seq_len % (2 * cp) == 0:
+        if job.world % cp == 0:
+            tries.append((f"--cp {cp} --fsdp --ac full", dict(cp=cp, fsdp=True, ac="full")))
+        cp *= 2
+    if job.batch > 1:
+        tries.append(("--batch-size 1 --fsdp --ac full", dict(batch=1, fsdp=True, ac="full")))
+    fits = []
+    for flags, change in tries:
+        new = replace(job, **change)
+        same = all(getattr(job, k) == v for k, v in change.items())
+        if not same and peak(new) <= limit:
+            fits.append(f"{flags} ({peak(new) / GIB:.1f} GiB)")
+    return fits[:3]
+
+
+def render(job: Job, limit: int) -> str:
+    c = job.cfg
+    head = (f"memory plan per rank: {job.world} ranks = dp {job.dp} x cp {job.cp}, seq {job.seq_len} "
+            f"({job.tokens} tokens per rank), batch {job.batch}, {job.dtype}, ac {job.ac}, "
+            f"{'FSDP2' if job.fsdp else 'replicated'}, comm {job.comm}, "
+            f"{c.num_hidden_layers} layers x hidden {c.hidden_size}")
+    lines = [head] + [f"  {name:<58} {b / GIB:10.3f} GiB" for name, b in estimate(job)]
+    lines.append(f"  {'device memory per rank':<58} {limit / GIB:10.3f} GiB")
+    return "\n".join(lines)
+
+
+def check(job: Job, limit: int) -> Optional[str]:
+    """None when the estimate fits `limit`, else the refusal text (with flags that would fit)."""
+    need = peak(job)
+    if need <= limit:
+        return None
+    fits = what_fits(job, limit)
+    hint = ("; these would fit: " + ", ".join(fits)) if fits else \
+        "; nothing among --ac/--fsdp/--cp/--batch-size fits: use more ranks or a shorter --seq-len"
+    return (f"this run needs about {need / GIB:.1f} GiB per rank but the device has "
+            f"{limit / GIB:.1f} GiB (--plan shows the rows){hint}. --skip-memory-check runs anyway.")

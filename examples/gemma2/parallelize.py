@@ -1,0 +1,46 @@
+"""What is applied to the model before training, in this order (as torchtitan does): activation
+checkpointing, torch.compile of the pieces around attention, then FSDP2."""
+from __future__ import annotations
+
+import torch
+
+from .parallel import Dist
+
+AC_MODES = ("none", "full", "selective")
+
+
+def apply_ac(model, mode: str) -> None:
+    """--ac: "none"; "full" recomputes every decoder layer in backward (CP attention and its
+    collectives included); "selective" recomputes the feed-forward half of every layer and
+    keeps attention's activations (README, "Activation checkpointing", has the measurement
+    behind this choice)."""
+    if mode not in AC_MODES:
+        raise ValueError(f"--ac {mode!r}: choose one of {', '.join(AC_MODES)}")
+    per_layer = {"none": "none", "full": "full", "selective": "mlp"}[mode]
+    for layer in model.model.layers:
+        layer.ac = per_layer
+
+
+def apply_compile(model) -> None:
+    """torch.compile each decoder layer's pieces around attention (norms, projections, RoPE, the
+    MLP, residuals). CPAttention itself runs eagerly between them: its autograd.Function talks to
+    the other CP ranks, which a compiled graph must not reorder or drop."""
+    for layer in model.model.layers:
+        for name in ("pre_attention", "post_attention", "feed_forward"):
+            setattr(layer, name, torch.compile(getattr(layer, name)))
+
+
+def apply_fsdp(model, d: Dist) -> None:
+    """FSDP2 over all dp x cp ranks (each decoder layer, then the root): parameters, gradients and
+    optimizer state sharded. Gradients are SUMMED, not averaged, as the CP recipe needs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh(d.device.type, (d.world,), mesh_dim_names=("fsdp",))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)    # gloo has no pre-divided reduce-scatter

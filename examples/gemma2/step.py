@@ -1,0 +1,75 @@
+"""The training step under context parallelism (the CP recipe).
+
+All cp ranks of one dp group read the same batch; each keeps its zigzag shard of ids, labels and
+position ids. The loss on each rank is its local cross-entropy SUM divided by the number of valid
+tokens of the whole step (counted before sharding, summed over dp); gradients are then SUMMED
+over dp x cp, which makes the result equal the single-process loss and gradients.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+import cp_softcap as cps
+
+from .parallel import Dist
+
+
+def labels_of(tokens: torch.Tensor, pad_id: Optional[int] = None) -> torch.Tensor:
+    """tokens [B, S+1] -> next-token labels [B, S], pad_id masked to -100."""
+    lab = tokens[:, 1:]
+    return lab if pad_id is None else lab.masked_fill(lab == pad_id, -100)
+
+
+def shard_batch(tokens: torch.Tensor, cp: int, cp_rank: int, pad_id: Optional[int] = None):
+    """tokens [B, S+1] (the same on all cp ranks) -> (inputs, labels, positions), each [B, S/cp]:
+    labels are shifted on the full sequence first (labels equal to pad_id become -100), then all
+    three get the same zigzag shard."""
+    inp, lab = tokens[:, :-1], labels_of(tokens, pad_id)
+    pos = torch.arange(inp.shape[1], device=tokens.device).expand_as(inp)
+    cps.sharding.check_divisible(inp.shape[1], cp, what="--seq-len", rank=cp_rank)
+    return tuple(cps.sharding.shard(t, cp, cp_rank) for t in (inp, lab, pos))
+
+
+def count_valid(labels_full: torch.Tensor, d: Dist) -> torch.Tensor:
+    """Valid (!= -100) labels of the whole step: this dp group's full batch, summed over dp."""
+    n = (labels_full != -100).sum().to(d.device, torch.float64)
+    if d.dp > 1:
+        dist.all_reduce(n, group=d.dp_group)
+    return n
+
+
+def sum_grads(params, group=None) -> None:
+    """SUM every gradient over `group` (default: the whole dp x cp world), in one flat buffer."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def loss_and_grads(model, tokens: torch.Tensor, d: Dist, autocast=None,
+                   pad_id: Optional[int] = None) -> torch.Tensor:
+    """One step's forward+backward with the CP recipe. tokens [B, S+1]: this dp group's batch
+    (pad_id tokens are not predicted). Leaves the SUMMED (dp x cp) gradients in .grad (FSDP2
+    sums them itself); returns the global mean loss over valid tokens (0-d, the same on every
+    rank)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    inp, lab, pos = (t.to(d.device) for t in shard_batch(tokens, d.cp, d.cp_rank, pad_id))
+    n_valid = count_valid(labels_of(tokens, pad_id), d)
+    ctx = autocast if autocast is not None else torch.autocast(d.device.type, enabled=False)
+    with ctx:
+        loss = model(inp, pos, labels=lab) / n_valid.to(torch.float32)
+    loss.backward()
+    if not isinstance(model, FSDPModule):
+        sum_grads(model.parameters(), d.grad_group)
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=d.grad_group)
+    return total
