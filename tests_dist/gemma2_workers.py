@@ -2,6 +2,7 @@
 
     python -m torch.distributed.run --nproc-per-node 4 tests_dist/gemma2_workers.py recipe OUT.json
     python -m torch.distributed.run --nproc-per-node 4 tests_dist/gemma2_workers.py hf OUT.json
+    python -m torch.distributed.run --nproc-per-node 4 tests_dist/gemma2_workers.py ac OUT.json
 
 Each rank compares its CP result against the full model run on one process (computed locally on
 every rank from the same seed) and rank 0 writes the worst relative errors to OUT.json.
@@ -121,6 +122,48 @@ def recipe(out_path: str, comms: str = "ring") -> None:
             json.dump(errs, f, indent=1)
 
 
+def ac(out_path: str) -> None:
+    """--ac full and selective vs none at cp 4 for ring, all_gather and a2a (the recomputed forward
+    runs the CP collectives again): loss and every gradient compared bitwise; loss slices of 16
+    tokens (the chunked loss runs several slices per rank). Writes {case: 0 or 1 (mismatch)}."""
+    from gemma2 import parallel
+    from gemma2.config import get_config
+    from gemma2.model import Gemma2
+    from gemma2.parallelize import apply_ac
+    from gemma2.step import loss_and_grads
+
+    cfg = get_config("tiny", num_hidden_layers=2, sliding_window=16, attn_logit_softcapping=5.0)
+    torch.manual_seed(0)
+    ref = Gemma2(cfg)
+    randomize(ref)
+    tokens = torch.randint(3, cfg.vocab_size, (2, 65))
+    d = parallel.make_dist(4, torch.device("cpu"))
+    errs = {}
+    for comm in ("ring", "all_gather", "a2a"):
+        runs = {}
+        for mode in ("none", "full", "selective"):
+            model = Gemma2(cfg, d.cp_group, comm=comm)
+            model.load_state_dict(ref.state_dict())
+            model.loss_chunk = 16
+            apply_ac(model, mode)
+            calls = {"attn": 0, "mlp": 0}     # module calls, recomputations included
+            for layer in model.model.layers:
+                for name, mod in (("attn", layer.self_attn.attn), ("mlp", layer.mlp)):
+                    mod.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+            loss = loss_and_grads(model, tokens.clone(), d, pad_id=0)
+            errs[f"{comm} ac {mode} calls"] = calls["attn"] * 100 + calls["mlp"]
+            runs[mode] = [loss] + [p.grad for p in model.parameters()]
+            if not all(torch.isfinite(t).all() for t in runs[mode]):
+                raise AssertionError(f"{comm} ac {mode}: non-finite loss or gradient on rank {d.rank}")
+        for mode in ("full", "selective"):
+            same = all(torch.equal(a, b) for a, b in zip(runs["none"], runs[mode]))
+            errs[f"{comm} ac {mode}"] = 0.0 if same else 1.0
+    errs = worst_over_ranks(errs)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(errs, f, indent=1)
+
+
 def hf(out_path: str) -> None:
     """HF Gemma2ForCausalLM with attn_implementation="cp_softcap" under CP 2 and 4 (ring), and
     CP 4 with use_cp_group(..., comm="a2a") and comm="a2a+p2p" (make_hybrid_groups, groups of 2),
@@ -183,6 +226,6 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     try:
-        {"recipe": recipe, "hf": hf}[sys.argv[1]](*sys.argv[2:])
+        {"recipe": recipe, "hf": hf, "ac": ac}[sys.argv[1]](*sys.argv[2:])
     finally:
         dist.destroy_process_group()

@@ -43,6 +43,18 @@ def test_training_step_cp_equals_single_process(tmp_path):
     assert control > 100 * TOL, f"dropping the sliding window changed the loss by only {control:.2e}"
 
 
+@pytest.mark.timeout(200)
+def test_activation_checkpointing_is_bitwise_under_cp(tmp_path):
+    """--ac full / selective give the loss and gradients of --ac none, bitwise, at cp 4 for ring,
+    all_gather and a2a: the recomputed forward reruns the CP collectives in step on every rank."""
+    errs = _run("ac", tmp_path, 160)
+    for comm in ("ring", "all_gather", "a2a"):    # 2 layers: attention calls x 100 + MLP calls
+        calls = {m: errs.pop(f"{comm} ac {m} calls") for m in ("none", "full", "selective")}
+        assert calls == {"none": 202, "full": 404, "selective": 204}, (comm, calls)
+    assert set(errs) == {f"{c} ac {m}" for c in ("ring", "all_gather", "a2a") for m in ("full", "selective")}
+    assert not any(errs.values()), f"AC changed the result: {errs}"
+
+
 @pytest.mark.timeout(240)
 def test_hf_gemma2_cp_equals_eager():
     pytest.importorskip("transformers", reason="needs transformers (pip install -e '.[gemma2]')")
