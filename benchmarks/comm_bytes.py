@@ -43,7 +43,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._util import RESULTS, bar_plot, launch_ranks, save, table  # noqa: E402
+from benchmarks._util import RESULTS, launch_ranks, save, table  # noqa: E402
+from benchmarks.plots import plot_json  # noqa: E402
 
 MiB = 2 ** 20
 HQ, HKV, D_REAL, CP = 16, 8, 256, 8
@@ -354,14 +355,7 @@ def main():
             "quick": a.quick, "wall_s": wall, "code_version": _code_version(),
             "CP_SOFTCAP_RING_BLOCK_KEYS": os.environ.get("CP_SOFTCAP_RING_BLOCK_KEYS", "(unset: default)")}
     path = save("comm_bytes" + ("_quick" if a.quick else ""), records, meta, a.out_dir)
-    labels = [f"{r['S'] // 1024}K {'win' if r['window'] != 'causal' else 'causal'} {r['comm'].replace('a2a+p2p ', 'hyb ')}"
-              for r in records]
-    png = os.path.join(a.out_dir, "comm_bytes" + ("_quick" if a.quick else "") + ".png")
-    bar_plot(png, labels, {"measured busiest fwd+bwd": [r["busiest_total_MiB"] for r in records],
-                           "measured mean": [r["mean_total_MiB"] for r in records],
-                           "analytical (bytes_per_rank)": [r["analytical_total_MiB"] or float("nan") for r in records]},
-             "MiB sent per rank per layer",
-             "Gemma2-9B attention, cp=8, fwd+bwd (stand-in kernel, float32 dK/dV partials)")
+    png = plot_json(path)
     print(f"\nwrote {path} and {png}")
 
 

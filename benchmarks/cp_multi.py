@@ -24,7 +24,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cp_softcap as cps                                           # noqa: E402
 from cp_softcap.sharding import shard                              # noqa: E402
-from benchmarks._util import OUT_DIR_HELP, out_dir_for, bar_plot, bench_ms, save, table  # noqa: E402
+from benchmarks._util import OUT_DIR_HELP, out_dir_for, bench_ms, save, table  # noqa: E402
+from benchmarks.plots import plot_json  # noqa: E402
 
 
 def fwd_bwd(fn, q, k, v, dout):
@@ -105,10 +106,7 @@ def main(argv=None) -> int:
                     ratio="max-over-ranks fwd+bwd time / (single-GPU full attention / N)")
         stem = f"cp_multi_N{world}" + (f"_{a.tag}" if a.tag else "")
         path = save(stem, records, meta, a.out_dir)
-        labels = [f"{r['S'] // 1024}K {r['comm']}" for r in records]
-        bar_plot(os.path.join(a.out_dir, stem + ".png"), labels,
-                 {"ratio": [r["ratio"] for r in records]}, "time / ideal",
-                 f"cp_attention fwd+bwd, N={world}, softcap {a.softcap}", hline=1.0)
+        plot_json(path)
         print(table(rows))
         print(f"wrote {path}")
     dist.destroy_process_group()

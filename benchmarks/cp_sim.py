@@ -33,7 +33,8 @@ from cp_softcap.layout import block_plan, key_range, plan_step, ring_blocks  # n
 from cp_softcap.merge import new_accumulator                        # noqa: E402
 from cp_softcap.spec import make_spec                               # noqa: E402
 from cp_softcap.selector import select                              # noqa: E402
-from benchmarks._util import OUT_DIR_HELP, out_dir_for, bar_plot, bench_ms, save, table  # noqa: E402
+from benchmarks._util import OUT_DIR_HELP, out_dir_for, bench_ms, save, table  # noqa: E402
+from benchmarks.plots import plot_json  # noqa: E402
 
 
 class RankSim:
@@ -229,14 +230,7 @@ def main(argv=None) -> int:
                 ratio="rank time * cp / full causal attention time (same kernel), no communication")
     stem = "cp_sim" + (f"_{a.tag}" if a.tag else "")
     path = save(stem, records, meta, a.out_dir)
-    label = lambda r: f"{r['S'] // 1024}K cp{r['cp']} {r['mode']}"  # noqa: E731
-    labels = list(dict.fromkeys(label(r) for r in records))
-    series = {f"block keys {kk}": [next(r["ratio"] for r in records
-                                        if r["block_keys"] == kk and label(r) == t)
-                                   for t in labels] for kk in a.block_keys}
-    bar_plot(os.path.join(a.out_dir, stem + ".png"), labels, series, "rank time * cp / full",
-             f"zigzag ring rank {a.rank}, {name}, heads {hq}/{hkv} D={d}, softcap {a.softcap}"
-             + (f", window {a.window}" if a.window is not None else ""), hline=1.0)
+    plot_json(path)
     print(table(rows))
     print(f"wrote {path}")
     return 0

@@ -46,7 +46,8 @@ import time
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import RESULTS, bar_plot, launch_ranks, save, table  # noqa: E402
+from _util import launch_ranks, save, table  # noqa: E402
+from plots import plot_json  # noqa: E402
 
 HQ, HKV, D, B, CAP = 8, 4, 64, 1, 50.0
 WINDOW = (None, 0)   # causal, as normalize_window(None, causal=True) gives
@@ -463,22 +464,7 @@ def main():
                      _mib(m["kernel_formula"]), _mib(m["model_issue"])])
     print(table(rows))
 
-    labels, s_time, s_mem = [], [], []
-    for cp in args.cp:
-        for s_local, modes in shapes:
-            for mode in modes:
-                rs = [r for r in timing if (r["cp"], r["s_local"], r["mode"]) == (cp, s_local, mode)]
-                key = "overhead_vs_as_ring" if "overhead_vs_as_ring" in rs[0] else "overhead_vs_per_step"
-                labels.append(f"cp{cp} S{s_local} {mode}")
-                s_time.append(1 + statistics.median(r[key] for r in rs))
-                ms = [m for m in memory if (m["cp"], m["s_local"]) == (cp, s_local)]
-                s_mem.append(statistics.median(m["alloc_peak"] / m["model_issue"] for m in ms)
-                             if mode == "fwd" else float("nan"))
-    bar_plot(os.path.join(RESULTS, f"{args.name}.png"), labels,
-             {"ring time / kernels-alone time (median rank)": s_time,
-              "fwd alloc peak / model (acc + 2 K/V + kernel)": s_mem},
-             "ratio", f"ring on CPU, torch kernel, B1 Hq{HQ} Hkv{HKV} D{D} fp32, 1 thread/rank",
-             hline=1.0)
+    plot_json(path)
     print(f"wrote {path} (+ .png) in {time.time() - t_start:.0f} s")
 
 

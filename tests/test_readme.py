@@ -87,6 +87,7 @@ def test_examples_and_commands_run_in_a_fresh_copy_that_stays_clean(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = str(repo)           # the copy's package, not the installed checkout
     env["CP_SOFTCAP_TIMEOUT"] = "120"
+    env["TMPDIR"] = str(tmp_path)           # dry runs' temporary folders: cleaned up with tmp_path
     with socket.socket() as s:              # cp_multi's world of one needs a free port
         s.bind(("127.0.0.1", 0))
         env["MASTER_PORT"] = str(s.getsockname()[1])
