@@ -171,18 +171,31 @@ def run_calls(cu: Tuple[int, ...], q_runs: Sequence[Run], k_runs: Sequence[Run],
     return _fuse(sorted(boxes, key=lambda b: (b[0], b[2])))
 
 
+FULL = "full"                       # raw-window marker of a group fused from fully visible boxes
+
+
 def _fuse(boxes) -> Tuple[DocCall, ...]:
+    """Boxes sorted by (q0, k0) -> calls. Two fusions, both exact:
+    - fully visible single-document boxes over the same rows with adjacent keys become one full
+      call over the joined keys (a long document seen through several earlier key runs);
+    - boxes adjacent in rows AND keys with the same raw local window become one call with one
+      segment each (the documents of a run)."""
     groups = []
     for q0, q1, k0, k1, raw in boxes:
+        full = _normalize(raw, (0, q1 - q0), (0, k1 - k0)) == (None, None)
         g = groups[-1] if groups else None
-        if g is not None and g["raw"] == raw and g["q1"] == q0 and g["k1"] == k0:
+        if (g is not None and full and g["raw"] == FULL and (g["q0"], g["q1"]) == (q0, q1)
+                and g["k1"] == k0):
+            g["k1"], g["cu_k"][-1] = k1, k1 - g["k0"]
+        elif g is not None and g["raw"] == raw and g["q1"] == q0 and g["k1"] == k0:
             g["cu_q"].append(q1 - g["q0"])
             g["cu_k"].append(k1 - g["k0"])
             g["q1"], g["k1"] = q1, k1
         else:
-            groups.append({"q0": q0, "q1": q1, "k0": k0, "k1": k1, "raw": raw,
+            groups.append({"q0": q0, "q1": q1, "k0": k0, "k1": k1, "raw": FULL if full else raw,
                            "cu_q": [0, q1 - q0], "cu_k": [0, k1 - k0]})
-    return tuple(DocCall(g["q0"], g["q1"], g["k0"], g["k1"], _normalize(g["raw"], g["cu_q"], g["cu_k"]),
+    return tuple(DocCall(g["q0"], g["q1"], g["k0"], g["k1"],
+                         (None, None) if g["raw"] == FULL else _normalize(g["raw"], g["cu_q"], g["cu_k"]),
                          tuple(g["cu_q"]), tuple(g["cu_k"])) for g in groups)
 
 

@@ -141,9 +141,14 @@ def test_packed_geometry_reproduces_reference(cp):
             finite = torch.isfinite(ref_lse[:, :, idx])
             assert torch.equal(finite, torch.isfinite(lse)), (r, w)
             assert torch.allclose(lse[finite], ref_lse[:, :, idx][finite], atol=1e-10), (r, w)
-        bad = run_geometry(layout, q, k, v, 3.0, w, masked=False)
-        assert any(not torch.allclose(o, ref_out[:, layout.index(r)], atol=1e-6)
-                   for r, (o, _) in enumerate(bad)), w
+        masked_somewhere = any(not c.mask().all() for rq in range(cp) for rk in range(cp)
+                               for c in step_calls(layout, rq, rk, w))
+        if masked_somewhere:                 # (full attention over whole documents needs no mask)
+            bad = run_geometry(layout, q, k, v, 3.0, w, masked=False)
+            assert any(not torch.allclose(o, ref_out[:, layout.index(r)], atol=1e-6)
+                       for r, (o, _) in enumerate(bad)), w
+        else:
+            assert w == (None, None)
 
 
 def test_stream_calls_reproduce_reference():
