@@ -36,8 +36,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._util import OUT_DIR_HELP, bar_plot, out_dir_for, save, table  # noqa: E402
 from cp_softcap.doc_geometry import send_ranges, step_calls  # noqa: E402
-from cp_softcap.documents import (CHUNK_CHOICES, PackedLayout, assign_chunks, packed_layout,  # noqa: E402
-                                  padded_len, token_area)
+from cp_softcap.documents import (CHUNK_CHOICES, PackedLayout, assign_chunks, chunk_areas,  # noqa: E402
+                                  packed_layout, padded_len)
 
 CAUSAL = (None, 0)
 
@@ -66,13 +66,11 @@ def fixed_layout(cu, total, cp, chunks_per_rank=None, chunks=None, window=CAUSAL
     """A PackedLayout with given chunks (zigzag / contiguous), or the solver at a fixed m."""
     n = padded_len(total, cp) if chunks is None else -(-total // (len(chunks) * len(chunks[0]))) * (
         len(chunks) * len(chunks[0]))
-    counts = token_area(tuple(cu), n, window)
     if chunks is None:
-        m = chunks_per_rank
-        areas = counts.view(cp * m, n // (cp * m)).sum(1).tolist()
-        chunks = assign_chunks(areas, cp)
-    chunk = n // (len(chunks) * len(chunks[0]))
-    areas = counts.view(-1, chunk).sum(1).tolist()
+        chunks = assign_chunks(chunk_areas(tuple(cu), n, cp * chunks_per_rank, window), cp)
+    num = len(chunks) * len(chunks[0])
+    chunk = n // num
+    areas = chunk_areas(tuple(cu), n, num, window)
     load = tuple(sum(areas[c] for c in h) for h in chunks)
     return PackedLayout(tuple(cu), n, cp, window, chunk, chunks, load)
 

@@ -103,19 +103,33 @@ def padded_len(seq_len: int, cp: int) -> int:
     return -(-seq_len // step) * step
 
 
-def token_area(cu: Tuple[int, ...], seq_len: int, window: Window) -> torch.Tensor:
-    """int64 [seq_len]: how many keys each query sees (same document, window). 0 for padding."""
+def _below(n: int, cap: Optional[int]) -> int:
+    """sum of min(p, cap) for p in 0..n-1 (cap None: unbounded)."""
+    if n <= 0:
+        return 0
+    if cap is None or n <= cap + 1:
+        return n * (n - 1) // 2
+    return cap * (cap + 1) // 2 + (n - cap - 1) * cap
+
+
+def _doc_prefix(length: int, n: int, window: Window) -> int:
+    """Visible keys summed over the first n queries of a document of `length` tokens: query p
+    sees min(p, left) keys before it, min(length-1-p, right) after it, and itself."""
     left, right = window
-    counts = torch.zeros(seq_len, dtype=torch.int64)
-    bounds = torch.tensor(cu, dtype=torch.int64)
-    lengths = bounds[1:] - bounds[:-1]
-    doc = torch.repeat_interleave(torch.arange(len(cu) - 1), lengths)
-    pos = torch.arange(cu[-1], dtype=torch.int64) - bounds[doc]
-    after = lengths[doc] - 1 - pos
-    before = pos if left is None else pos.clamp(max=left)
-    after = after if right is None else after.clamp(max=right)
-    counts[:cu[-1]] = before + after + 1
-    return counts
+    return _below(n, left) + _below(length, right) - _below(length - n, right) + n
+
+
+def chunk_areas(cu: Tuple[int, ...], seq_len: int, num_chunks: int, window: Window) -> Tuple[int, ...]:
+    """Visible (q, k) pairs of each of num_chunks equal chunks' queries: closed form per
+    (document, chunk) piece, O(documents + chunks) integer arithmetic."""
+    chunk = seq_len // num_chunks
+    areas = [0] * num_chunks
+    for start, end in zip(cu, cu[1:]):
+        length = end - start
+        for c in range(start // chunk, (end - 1) // chunk + 1):
+            lo, hi = max(start, c * chunk) - start, min(end, (c + 1) * chunk) - start
+            areas[c] += _doc_prefix(length, hi, window) - _doc_prefix(length, lo, window)
+    return tuple(areas)
 
 
 def assign_chunks(areas: Sequence[int], cp: int) -> Tuple[Tuple[int, ...], ...]:
@@ -286,16 +300,14 @@ def packed_layout(cu_seqlens, seq_len: int, cp: int, *, causal: bool = True, win
 
 @lru_cache(maxsize=64)
 def _layout(cu: Tuple[int, ...], seq_len: int, cp: int, window: Window) -> PackedLayout:
-    counts = token_area(cu, seq_len, window)
     if cp == 1:
-        return PackedLayout(cu, seq_len, 1, window, seq_len, ((0,),), (int(counts.sum()),))
+        return PackedLayout(cu, seq_len, 1, window, seq_len, ((0,),), chunk_areas(cu, seq_len, 1, window))
     best = None
     for m in CHUNK_CHOICES:
-        chunk = seq_len // (cp * m)
-        areas = counts.view(cp * m, chunk).sum(dim=1).tolist()
+        areas = chunk_areas(cu, seq_len, cp * m, window)
         chunks = assign_chunks(areas, cp)
         load = tuple(sum(areas[c] for c in held) for held in chunks)
-        layout = PackedLayout(cu, seq_len, cp, window, chunk, chunks, load)
+        layout = PackedLayout(cu, seq_len, cp, window, seq_len // (cp * m), chunks, load)
         if layout.imbalance <= GOOD_ENOUGH:
             return layout
         if best is None or layout.imbalance < best.imbalance:

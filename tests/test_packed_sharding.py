@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from cp_softcap import sharding
-from cp_softcap.documents import (CHUNK_CHOICES, assign_chunks, check_cu_seqlens, cu_hash,
-                                  packed_layout, token_area)
+from cp_softcap.documents import (CHUNK_CHOICES, assign_chunks, check_cu_seqlens, chunk_areas,
+                                  cu_hash, packed_layout)
 
 
 def brute_area(cu, n, window, tokens):
@@ -111,12 +111,14 @@ def test_realistic_padding_below_one_percent():
     assert max(CHUNK_CHOICES) == 16
 
 
-def test_token_area_matches_brute_force():
-    cu = (0, 1, 4, 11, 12)
-    for window in ((None, 0), (None, None), (2, 0), (1, 2)):
-        counts = token_area(cu, 15, window)
-        for t in range(15):
-            assert counts[t] == brute_area(cu, 15, window, [t])
+def test_chunk_areas_match_brute_force():
+    cu = (0, 1, 4, 11, 12, 25)
+    for window in ((None, 0), (None, None), (0, 0), (2, 0), (1, 2), (None, 3), (30, 0)):
+        for chunks in (1, 2, 4, 7, 28):
+            n = 28
+            got = chunk_areas(cu, n, chunks, window)
+            c = n // chunks
+            assert got == tuple(brute_area(cu, n, window, range(i * c, (i + 1) * c)) for i in range(chunks))
 
 
 @pytest.mark.parametrize("bad, match", [
