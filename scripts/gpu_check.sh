@@ -28,6 +28,9 @@
 #                                      #   fills .fa2/ first): installs the flash-attn 2 wheel,
 #                                      #   fa2 kernel tests, CP tests with fa2 forced, fa2 next to
 #                                      #   fa4/flex/cuDNN in the kernel benchmark
+#   bash .fa4b/install.sh && bash scripts/gpu_check.sh flexflash
+#                                      # (call 2): bitwise bf16-return test, flex's FA4 (CuTe)
+#                                      #   backend with a softcap score_mod vs flex Triton / fa4
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh multi
 #                                      # (call 2, on a several-GPU kind): cp_multi with every
 #                                      #   comm (a2a+p2p where the GPU count allows), and window 4095
@@ -155,6 +158,14 @@ if [ "$phase" = fa2 ]; then                     # after fa4 is installed; .fa2/ 
   timeout 240 $PY benchmarks/kernels.py $bench_args --rep-ms 100 --pairs fa2:50 fa2:0 fa4:50 flex:50 \
       --tag fa2 2>&1 | tail -40 || rc=1
   cp $bench_out/kernels_fa2.json $bench_out/kernels_fa2.png "$OUT/" 2>/dev/null
+fi
+if [ "$phase" = flexflash ]; then               # after fa4 is installed
+  step "GPU test: fa4 bf16 dK/dV returns bitwise equal to float32 returns (deterministic mode)"
+  timeout 150 $PY -m pytest tests/test_gpu_cp.py -q -rs -n 4 -p no:cacheprovider -k bitwise 2>&1 \
+      | tee "$OUT/pytest_bitwise.log" | tail -6 || rc=1
+  step "flex through FA4's CuTe backend vs flex Triton vs the fa4 adapter (softcap 50)"
+  timeout 330 $PY benchmarks/flex_flash.py $bench_args 2>&1 | tail -30 || rc=1
+  cp $bench_out/flex_flash.json $bench_out/flex_flash.png "$OUT/" 2>/dev/null
 fi
 if [ "$phase" = native ]; then                  # after fa4 is installed
   step "GPU CP tests: 2 and 4 ranks on one GPU (fa4 bf16 dK/dV returns in the ring)"
