@@ -22,7 +22,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -200,16 +200,39 @@ def _fuse(boxes) -> Tuple[DocCall, ...]:
 
 
 # --------------------------------------------------------------------------- per pair of ranks
+#
+# `Ranks` is one CP rank (ring, all_gather) or a tuple of ranks whose shards lie back to back in
+# that order (a2a+p2p: the tokens an a2a group holds after its all-to-all, member j's shard at
+# [j * local_len, (j + 1) * local_len)).
+
+Ranks = Union[int, Tuple[int, ...]]
+
 
 @lru_cache(maxsize=4096)
-def step_calls(layout: PackedLayout, q_rank: int, kv_rank: int, window: Window) -> Tuple[DocCall, ...]:
+def group_runs(layout: PackedLayout, ranks: Ranks) -> Tuple[Run, ...]:
+    """Runs (global start, global end, local start) of `ranks`' tokens in their local order."""
+    if isinstance(ranks, int):
+        return layout.runs(ranks)
+    out = []
+    for j, r in enumerate(ranks):
+        for g0, g1, l0 in layout.runs(r):
+            l0 += j * layout.local_len
+            if out and out[-1][1] == g0 and out[-1][2] + out[-1][1] - out[-1][0] == l0:
+                out[-1] = (out[-1][0], g1, out[-1][2])
+            else:
+                out.append((g0, g1, l0))
+    return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def step_calls(layout: PackedLayout, q_rank: Ranks, kv_rank: Ranks, window: Window) -> Tuple[DocCall, ...]:
     """Calls for q_rank's local queries against kv_rank's LOCAL keys (ring, a2a+p2p), sorted by
     rows. `window` is the layer's normalised (left, right); it need not be the layout's."""
-    return run_calls(layout.cu_seqlens, layout.runs(q_rank), layout.runs(kv_rank), window)
+    return run_calls(layout.cu_seqlens, group_runs(layout, q_rank), group_runs(layout, kv_rank), window)
 
 
 @lru_cache(maxsize=4096)
-def send_ranges(layout: PackedLayout, q_rank: int, kv_rank: int, window: Window
+def send_ranges(layout: PackedLayout, q_rank: Ranks, kv_rank: Ranks, window: Window
                 ) -> Tuple[Tuple[int, int], ...]:
     """Disjoint ascending [k0, k1) ranges of kv_rank's local keys that q_rank's queries see:
     exactly the keys some call reads (what kv_rank sends to q_rank); () = no message."""
@@ -224,7 +247,7 @@ def send_ranges(layout: PackedLayout, q_rank: int, kv_rank: int, window: Window
 
 
 @lru_cache(maxsize=4096)
-def recv_calls(layout: PackedLayout, q_rank: int, kv_rank: int, window: Window
+def recv_calls(layout: PackedLayout, q_rank: Ranks, kv_rank: Ranks, window: Window
                ) -> Tuple[Tuple[Tuple[int, int], ...], Tuple[DocCall, ...]]:
     """(ranges, calls) for a receive buffer holding kv_rank's send_ranges back to back: range i
     at offset sum of the earlier ranges' lengths; the calls' keys index that buffer."""
@@ -248,11 +271,11 @@ def peers(layout: PackedLayout, window: Window) -> Tuple[Tuple[bool, ...], ...]:
 
 
 @lru_cache(maxsize=1024)
-def gathered_calls(layout: PackedLayout, q_rank: int, window: Window) -> Tuple[DocCall, ...]:
+def gathered_calls(layout: PackedLayout, q_rank: Ranks, window: Window) -> Tuple[DocCall, ...]:
     """Calls for q_rank's local queries against the WHOLE stream in global order (all_gather,
     after placing every rank's keys at layout.index(rank)): keys are global positions. A run's
     documents fuse into one varlen call whose keys of each document end at its last query."""
-    return run_calls(layout.cu_seqlens, layout.runs(q_rank), ((0, layout.seq_len, 0),), window)
+    return run_calls(layout.cu_seqlens, group_runs(layout, q_rank), ((0, layout.seq_len, 0),), window)
 
 
 @lru_cache(maxsize=256)

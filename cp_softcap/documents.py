@@ -231,6 +231,12 @@ class PackedLayout:
         parts = [torch.arange(g0, g1, device=device) for g0, g1, _ in self.runs(rank)]
         return torch.cat(parts)
 
+    def stream_index(self, device=None) -> torch.Tensor:
+        """int64 [seq_len]: global position of each token of all ranks' shards concatenated in
+        rank order (what a sequence all-to-all delivers). With idx = stream_index():
+        y[:, idx] = x puts such a tensor x in global order; x = y[:, idx] takes it back."""
+        return torch.cat([self.index(r, device) for r in range(self.cp)])
+
     def doc_ids(self, rank: int, device=None) -> torch.Tensor:
         """int64 [local_len]: document index of each local token, -1 for padding."""
         return doc_ids(self.cu_seqlens, self.index(rank, device))

@@ -186,3 +186,37 @@ def test_visibility_mask_brute_force():
                 assert bool(got[i, j]) == bool(want)
         same = torch.zeros(9, dtype=torch.int64), torch.zeros(11, dtype=torch.int64)
         assert not torch.equal(visibility_mask(same[0], q_pos, same[1], k_pos, window), got)
+
+
+@pytest.mark.parametrize("cp, size", [(4, 2), (6, 3), (8, 2)])
+def test_a2a_groups_cover_exactly(cp, size):
+    """a2a+p2p: a query group (members' shards back to back) against every key group, through
+    step_calls and the buffer of recv_calls, covers the group's visible pairs exactly once."""
+    rng = random.Random(cp * 10 + size)
+    cu, total = random_docs(rng, cp)
+    layout = packed_layout(cu, total, cp)
+    groups = [tuple(range(g * size, (g + 1) * size)) for g in range(cp // size)]
+    pos = {g: [t for r in g for t in layout.index(r).tolist()] for g in groups}
+    for window in [(None, 0), (3, 0), (None, None)]:
+        for gq in groups:
+            pairs, buffered = Counter(), Counter()
+            for gk in groups:
+                calls = step_calls(layout, gq, gk, window)
+                check_calls(layout.cu_seqlens, calls, pos[gq], pos[gk], window, pairs)
+                ranges, bcalls = recv_calls(layout, gq, gk, window)
+                buf = [k for a, b in ranges for k in pos[gk][a:b]]
+                check_calls(layout.cu_seqlens, bcalls, pos[gq], buf, window, buffered)
+            want = expected(layout.cu_seqlens, pos[gq], layout.seq_len, window)
+            assert_exact(pairs, want, f"group {gq}")
+            assert_exact(buffered, want, f"group {gq} buffer")
+
+
+def test_stream_index_round_trip():
+    layout = packed_layout([0, 5, 40, 90], 100, 4)
+    idx = layout.stream_index()
+    assert sorted(idx.tolist()) == list(range(layout.seq_len))
+    x = torch.arange(layout.seq_len)[None] * 10
+    local = torch.cat([x[:, layout.index(r)] for r in range(4)], dim=1)   # what an a2a delivers
+    y = torch.empty_like(local)
+    y[:, idx] = local
+    assert torch.equal(y, x) and torch.equal(y[:, idx], local)
