@@ -175,9 +175,12 @@ FULL = "full"                       # raw-window marker of a group fused from fu
 
 
 def _fuse(boxes) -> Tuple[DocCall, ...]:
-    """Boxes sorted by (q0, k0) -> calls. Two fusions, both exact:
+    """Boxes sorted by (q0, k0) -> calls. Three fusions, all exact:
     - fully visible single-document boxes over the same rows with adjacent keys become one full
       call over the joined keys (a long document seen through several earlier key runs);
+    - such a full call absorbs the next box over the same rows with adjacent keys whose window
+      has no left bound: bottom-right alignment keeps that box's keys where they were and the
+      full keys before them stay visible (earlier runs + the causal diagonal = one call);
     - boxes adjacent in rows AND keys with the same raw local window become one call with one
       segment each (the documents of a run)."""
     groups = []
@@ -187,6 +190,9 @@ def _fuse(boxes) -> Tuple[DocCall, ...]:
         if (g is not None and full and g["raw"] == FULL and (g["q0"], g["q1"]) == (q0, q1)
                 and g["k1"] == k0):
             g["k1"], g["cu_k"][-1] = k1, k1 - g["k0"]
+        elif (g is not None and g["raw"] == FULL and raw[0] is None and (g["q0"], g["q1"]) == (q0, q1)
+              and g["k1"] == k0):
+            g["k1"], g["cu_k"][-1], g["raw"] = k1, k1 - g["k0"], raw
         elif g is not None and g["raw"] == raw and g["q1"] == q0 and g["k1"] == k0:
             g["cu_q"].append(q1 - g["q0"])
             g["cu_k"].append(k1 - g["k0"])
