@@ -104,3 +104,17 @@ def test_examples_and_commands_run_in_a_fresh_copy_that_stays_clean(tmp_path):
     status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=repo,
                             capture_output=True, text=True, check=True).stdout
     assert status == "", f"the documented commands left the repository dirty:\n{status}"
+
+
+def test_comparison_table_is_complete():
+    """Every row of the "Compared with" table has a cell per system, and every footnote it cites
+    is defined (and every definition cited)."""
+    text = README.read_text()
+    section = text.split("## Compared with", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    widths = {len(row.strip().strip("|").split(" | ")) for row in rows if not row.startswith("|---")}
+    assert widths == {8}, f"rows of the comparison table have {widths} cells, want 8 (feature + 7 systems)"
+    cited = set(re.findall(r"\[\^([\w-]+)\](?!:)", section))
+    defined = set(re.findall(r"^\[\^([\w-]+)\]:", section, re.M))
+    assert cited == defined, f"cited but undefined: {cited - defined}; defined but unused: {defined - cited}"
+    assert "not yet run" in section
