@@ -18,8 +18,8 @@ then the reference kernel calls alone on the same rank at the same moment on eve
 overhead = (ring - reference) / reference, per rank, median over reps of the paired ratio.
 Steps = sum(needs[rank]) (the self step included); time per step = time / steps.
 Breakdown of the ring call (wrappers installed only around the ring call, ~1 us each): time in
-kernel.forward/backward, in the ring module's merge_into, in Exchange.wait (exposed comm), in the
-dispatcher's select + check_signature; "other" = the rest (buffers, posting sends, autograd,
+kernel.forward/backward, in the ring module's merge_into, in Exchange.wait (exposed comm), in
+plan_for (the call's plan: a cache lookup after the first call); "other" = the rest (buffers, posting sends, autograd,
 Python). Wrappers whose target does not exist are skipped (reported as null).
 
 Memory (forward, inputs without grad), a separate launch with MALLOC_MMAP_THRESHOLD_ fixed so
@@ -156,7 +156,7 @@ class _Probe:
         self.saved.append((owner, name, None if instance else orig))
 
     def __enter__(self):
-        import cp_softcap.comm as comm
+        import cp_softcap.transport as transport
         self.t.clear()
         self.n.clear()
         self._wrap(self.kernel, "forward", "kernel", instance=True)
@@ -166,13 +166,9 @@ class _Probe:
             self._wrap(ring_mod, "merge_into", "merge")
         except ImportError:
             self.present["merge"] = False
-        self._wrap(getattr(comm, "Exchange", None), "wait", "comm_wait")
-        try:
-            import cp_softcap.cp.dispatch as disp
-            self._wrap(disp, "select", "checks")
-            self._wrap(disp, "check_signature", "checks")
-        except ImportError:
-            self.present["checks"] = False
+        self._wrap(getattr(transport, "Exchange", None), "wait", "comm_wait")
+        import cp_softcap.api as api
+        self._wrap(api, "plan_for", "checks")
         return self
 
     def __exit__(self, *exc):

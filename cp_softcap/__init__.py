@@ -1,13 +1,12 @@
 """cp_softcap: context-parallel attention with tanh logit softcapping.
 
     import cp_softcap as cps
-    out = cps.attention(q, k, v, softcap=50.0, causal=True)              # one device
+    out = cps.attention(q, k, v, softcap=50.0)                            # one device, causal
     attn = cps.CPAttention(cp_group, softcap=50.0, window=(4095, 0))      # context parallel
 """
-from .api import attention
-from .module import CPAttention, cp_attention
-from .cp.dispatch import make_hybrid_groups
 from . import sharding
+from .api import CPAttention, attention, cp_attention
+from .cp.a2a_p2p import make_hybrid_groups
 from .selector import Selection, select
 from .spec import AttnSpec, make_spec
 

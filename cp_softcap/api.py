@@ -1,24 +1,38 @@
-"""`attention`: the single-device, differentiable entry point. Same selector and kernel
-contract as the CP paths."""
+"""The public entry points: `attention` (one device), `cp_attention` (context parallel, on this
+rank's zigzag shards) and `CPAttention` (the parameter-free layer for model code).
+
+Each call is resolved once into a plan (plan.py: validated spec, groups, kernel, algorithm);
+the plan is all the algorithms see. causal=True is the default everywhere: these are the
+layers of causal language models.
+"""
 from __future__ import annotations
 
 from typing import Optional, Tuple, Union
 
 import torch
 
-from .export import export_attention, is_exporting, refuse_cp
-from .selector import select
-from .spec import AttnSpec, check_qkv, make_spec
+from .cp.a2a import A2AAttention
+from .cp.a2a_p2p import A2AP2PAttention
+from .cp.all_gather import AllGatherAttention
+from .cp.ring import RingAttention
+from .export import export_attention, is_exporting
+from .plan import Backend, local_plan, plan_for, resolve_groups, spec_for
+from .spec import check_comm, check_qkv, normalize_softcap, normalize_window
+
+ALGORITHMS = {"ring": RingAttention, "all_gather": AllGatherAttention, "a2a": A2AAttention,
+              "a2a+p2p": A2AP2PAttention}
 
 
-class _KernelAttention(torch.autograd.Function):
-    """One kernel call; softcap, scale and window live in ctx for the backward."""
+class _LocalAttention(torch.autograd.Function):
+    """One kernel call on one device; the plan holds the kernel, scale, softcap and window."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel, scale, softcap, window):
-        out, lse = kernel.forward(q, k, v, scale=scale, softcap=softcap, window=window)
+    def forward(ctx, q, k, v, plan):
+        spec = plan.spec
+        out, lse = plan.kernel.forward(q, k, v, scale=spec.scale, softcap=spec.softcap,
+                                       window=spec.window)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernel, ctx.scale, ctx.softcap, ctx.window = kernel, scale, softcap, window
+        ctx.plan = plan
         # An unused output's gradient arrives as None (not zeros): an unused LSE costs nothing
         # and needs no host sync to detect.
         ctx.set_materialize_grads(False)
@@ -27,44 +41,31 @@ class _KernelAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
+        spec = ctx.plan.spec
         if dout is None:
             dout = torch.zeros(out.shape, dtype=q.dtype, device=q.device)
         # one call, nothing to accumulate: the kernel's own dtype, cast once (a no-op for the
         # flash-attn family, whose gradients already have the inputs' dtype)
-        dq, dk, dv = ctx.kernel.backward(dout.contiguous(), q, k, v, out, lse, scale=ctx.scale,
-                                         softcap=ctx.softcap, window=ctx.window, dlse=dlse)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
-
-
-def spec_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap, causal, window, scale,
-             cp_size: int = 1, comm: str = "ring", return_lse: bool = False) -> AttnSpec:
-    needs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    refuse_cp(cp_size)     # every CP entry point builds its spec here, before any collective
-    if isinstance(cp_size, int) and not isinstance(cp_size, bool) and cp_size < 1:
-        import torch.distributed as dist   # get_world_size(group) is -1 on a rank outside `group`
-        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else "?"
-        raise ValueError(f"global rank {me} is not a member of the process group passed as the CP "
-                         f"group (its size seen from here is {cp_size}); pass the CP group this rank "
-                         "belongs to (e.g. mesh['cp'] of a DeviceMesh) or None for one device")
-    return make_spec(head_dim=q.shape[-1], head_dim_v=v.shape[-1], num_heads=q.shape[2],
-                     num_kv_heads=k.shape[2], dtype=q.dtype, device_type=q.device.type,
-                     softcap=softcap, causal=causal, window=window, scale=scale,
-                     needs_backward=needs_backward, cp_size=cp_size, comm=comm,
-                     return_lse=return_lse)
+        dq, dk, dv = ctx.plan.kernel.backward(dout.contiguous(), q, k, v, out, lse,
+                                              scale=spec.scale, softcap=spec.softcap,
+                                              window=spec.window, dlse=dlse)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: Optional[float] = None,
-              causal: bool = False, window=None, scale: Optional[float] = None,
-              backend: str = "auto", return_lse: bool = False
+              causal: bool = True, window=None, scale: Optional[float] = None,
+              backend: Backend = "auto", return_lse: bool = False
               ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Softcapped attention on one device.
 
     q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (Hq % Hkv == 0; GQA is not expanded).
     softcap: None/0.0 = off, else z = softcap * tanh(scale * q.k / softcap) before masking.
+    causal: True (the default) hides future keys; pass causal=False for bidirectional attention.
     window: (left, right) or None; query i sees key j iff i - left <= j <= i + right, with queries
     aligned to the END of the keys when Sq != Sk (flash-attn's bottom-right convention).
-    causal=True forces right = 0. Returns out [B, Sq, Hq, Dv] in q's dtype, and with
-    return_lse=True also lse [B, Hq, Sq] (float32; -inf for rows that see no key), differentiable.
+    causal=True forces right = 0. backend: "auto", a kernel name, or a Kernel instance.
+    Returns out [B, Sq, Hq, Dv] in q's dtype, and with return_lse=True also lse [B, Hq, Sq]
+    (float32; -inf for rows that see no key), differentiable.
     """
     check_qkv(q, k, v)
     spec = spec_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
@@ -75,6 +76,50 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: Opt
                              "kernel's math (cp_softcap.export): pass backend='auto' or 'torch'")
         out, lse = export_attention(q, k, v, scale=spec.scale, softcap=spec.softcap, window=spec.window)
         return (out, lse) if return_lse else out
-    kernel = select(spec, backend).kernel
-    out, lse = _KernelAttention.apply(q, k, v, kernel, spec.scale, spec.softcap, spec.window)
+    out, lse = _LocalAttention.apply(q, k, v, local_plan(spec, backend))
     return (out, lse) if return_lse else out
+
+
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
+                 softcap: Optional[float] = None, causal: bool = True, window=None,
+                 scale: Optional[float] = None, comm: str = "ring", backend: Backend = "auto"
+                 ) -> torch.Tensor:
+    """Context-parallel attention on this rank's shards.
+
+    q [B, S/cp, Hq, D], k/v [B, S/cp, Hkv, D]: the local shards in the zigzag layout
+    (cp_softcap.sharding.shard: rank r holds global chunks r and 2cp-1-r of 2cp equal chunks).
+    Returns this rank's shard of the output, [B, S/cp, Hq, Dv], in q's dtype. Differentiable.
+    softcap/window/scale/causal mean what they mean for cps.attention, in GLOBAL positions.
+    comm: "ring" | "all_gather" | "a2a" | "a2a+p2p" | "auto". group None or of size 1: one device.
+    """
+    groups, cp, rank = resolve_groups(group, comm)
+    if comm != "a2a+p2p" and cp == 1:
+        return attention(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
+                         backend=backend)
+    plan = plan_for(q, k, v, groups, cp, rank, softcap=softcap, causal=causal, window=window,
+                    scale=scale, comm=comm, backend=backend)
+    return ALGORITHMS[plan.comm].apply(q, k, v, plan)
+
+
+class CPAttention(torch.nn.Module):
+    """Parameter-free attention layer for model code: `CPAttention(cp_group, softcap=50.0)`
+    (causal by default).
+
+    forward(q, k, v) takes the local shards [B, S/cp, H, D] (GQA allowed) and returns the local
+    output shard [B, S/cp, Hq, Dv]. See cp_attention for the layout contract.
+    """
+
+    def __init__(self, cp_group=None, softcap: Optional[float] = None, *, causal: bool = True,
+                 window=None, scale: Optional[float] = None, comm: str = "ring",
+                 backend: Backend = "auto"):
+        super().__init__()
+        self.softcap = normalize_softcap(softcap)
+        self.window = normalize_window(window, causal)
+        check_comm(comm)
+        self.cp_group, self.causal, self.scale = cp_group, causal, scale
+        self.comm, self.backend = comm, backend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return cp_attention(q, k, v, self.cp_group, softcap=self.softcap, causal=self.causal,
+                            window=self.window, scale=self.scale, comm=self.comm,
+                            backend=self.backend)

@@ -13,7 +13,7 @@ Preference (fastest verified first; figures from anchors.md / benchmarks/RESULTS
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -66,7 +66,8 @@ RULES: Tuple[Rule, ...] = (
     Rule(("fa3",), lambda s, k: not settings.fa3_enabled(),
          lambda s, k: "opt-in only: set CP_SOFTCAP_FA3=1 (single device, never under CP)"),
     Rule(("fa3",), lambda s, k: s.cp_size > 1,
-         lambda s, k: f"never under context parallelism (cp={s.cp_size}): the mission excludes FA3 there"),
+         lambda s, k: f"not under context parallelism (cp={s.cp_size}): FA3's context-parallel "
+                      "path cannot carry the softcap"),
 )
 
 
@@ -79,7 +80,8 @@ class Selection:
 
     def table(self) -> str:
         lines = [f"{'kernel':<7} {'status':<9} reason"]
-        for name in KERNEL_NAMES:
+        extra = () if self.name in KERNEL_NAMES else (self.name,)     # a kernel instance passed in
+        for name in extra + KERNEL_NAMES:
             if name == self.name:
                 lines.append(f"{name:<7} {'CHOSEN':<9} {'forced by backend=' if self.forced else 'first eligible in preference order'}")
             else:
@@ -94,6 +96,12 @@ def rejection(name: str, spec: AttnSpec) -> Optional[str]:
         kernel = get_kernel(name)
     except ImportError as e:
         return f"adapter not importable: {e}"
+    return kernel_rejection(kernel, spec)
+
+
+def kernel_rejection(kernel: Kernel, spec: AttnSpec) -> Optional[str]:
+    """Why this kernel instance cannot serve `spec`, or None if it can."""
+    name = kernel.name
     for rule in RULES:
         if (rule.kernels == ("*",) or name in rule.kernels) and rule.rejects(spec, kernel):
             return rule.reason(spec, kernel)
@@ -103,11 +111,14 @@ def rejection(name: str, spec: AttnSpec) -> Optional[str]:
         return f"probe failed: {type(e).__name__}: {e}"
 
 
-_SELECTIONS: Dict[Tuple[AttnSpec, Optional[str], bool], Selection] = {}
+_SELECTIONS: Dict[tuple, Selection] = {}
 
 
-def requested_backend(backend: Optional[str]) -> Optional[str]:
-    """backend= argument, else CP_SOFTCAP_BACKEND, else None (auto)."""
+def requested_backend(backend: Union[None, str, Kernel]) -> Union[None, str, Kernel]:
+    """backend= argument (a kernel name or a Kernel instance), else CP_SOFTCAP_BACKEND, else
+    None (auto)."""
+    if isinstance(backend, Kernel):
+        return backend
     name = backend if backend not in (None, "auto") else settings.backend()
     if name in (None, "auto"):
         return None
@@ -117,14 +128,23 @@ def requested_backend(backend: Optional[str]) -> Optional[str]:
     return name
 
 
-def select(spec: AttnSpec, backend: Optional[str] = "auto") -> Selection:
-    """Pick the kernel for `spec`. Cached per (spec, backend). Raises ValueError when a forced
-    backend cannot serve the spec, or when no kernel can (naming every kernel's reason)."""
+def select(spec: AttnSpec, backend: Union[None, str, Kernel] = "auto") -> Selection:
+    """Pick the kernel for `spec`. backend: "auto", a kernel name or a Kernel instance (used as
+    is, after the same rules and probe). Cached per (spec, backend). Raises ValueError when a
+    forced backend cannot serve the spec, or when no kernel can (naming every kernel's reason)."""
     forced = requested_backend(backend)
     key = (spec, forced, settings.fa3_enabled())   # the fa3 rule reads the setting
     if key in _SELECTIONS:
         return _SELECTIONS[key]
     reasons = {name: rejection(name, spec) for name in KERNEL_NAMES}
+    if isinstance(forced, Kernel):
+        reason = kernel_rejection(forced, spec)
+        if reason is not None:
+            raise ValueError(f"backend {forced.name!r} ({type(forced).__name__}) cannot serve this "
+                             f"call: {reason} [{spec.describe()}]; use backend='auto' or fix the call")
+        rejected = {n: (r or "") for n, r in reasons.items() if n != forced.name}
+        _SELECTIONS[key] = Selection(forced, forced.name, rejected, forced=True)
+        return _SELECTIONS[key]
     if forced is not None:
         if reasons[forced] is not None:
             raise ValueError(f"backend {forced!r} cannot serve this call: {reasons[forced]} "

@@ -15,8 +15,17 @@ DEFAULT_RING_BLOCK_KEYS = 32768     # measured best on H200 at 32K/128K, cp 4/8 
 SDPA_OPS: Tuple[str, ...] = ("cudnn", "flash", "efficient")
 
 
+_PLANNING = ("CP_SOFTCAP_BACKEND", "CP_SOFTCAP_FA3", "CP_SOFTCAP_RING_BLOCK_KEYS")
+
+
 def _raw(name: str) -> str:
     return os.environ.get(name, "")
+
+
+def planning_inputs() -> Tuple[str, ...]:
+    """The raw values of the variables a call's plan depends on (unvalidated: a plan cache key;
+    an invalid value is reported when the plan is built, after the ranks compared plans)."""
+    return tuple(_raw(name) for name in _PLANNING)
 
 
 def _bad(name: str, raw: str, valid: str) -> ValueError:

@@ -17,16 +17,12 @@ import torch
 import torch.distributed as dist
 
 from .documents import PackedLayout, packed_layout, padded_len
+from .spec import check_zigzag_length
 
 
 def check_divisible(seq_len: int, cp: int, *, what: str = "sequence length", rank=None) -> None:
-    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
-        raise ValueError(f"cp must be a positive int, got {cp!r}")
-    if seq_len <= 0 or seq_len % (2 * cp) != 0:
-        where = f" on rank {rank}" if rank is not None else ""
-        raise ValueError(f"{what} {seq_len}{where} is not a positive multiple of 2*cp={2 * cp}; "
-                         f"pad with cp_softcap.sharding.pad_to_multiple(x, {2 * cp}) "
-                         "(and mask the padded labels), or use comm='a2a' with heads divisible by cp")
+    """Raise unless a global length of `seq_len` splits into 2*cp equal zigzag chunks."""
+    check_zigzag_length(seq_len, cp, what=what, where="" if rank is None else f"rank {rank}")
 
 
 def local_chunks(cp: int, rank: int) -> tuple:

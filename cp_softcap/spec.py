@@ -32,6 +32,42 @@ def normalize_softcap(softcap) -> Optional[float]:
     return softcap
 
 
+def check_comm(comm) -> None:
+    """The one check of a comm= value."""
+    if comm not in COMM_TYPES:
+        raise ValueError(f"comm must be one of {COMM_TYPES}, got {comm!r}")
+
+
+def check_gqa(num_heads: int, num_kv_heads: int, at: str = "") -> None:
+    """Grouped-query attention needs Hq % Hkv == 0 (and at least one KV head)."""
+    if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}{at}; "
+                         "GQA needs Hq % Hkv == 0")
+
+
+def check_zigzag_length(seq_len: int, cp: int, *, what: str = "sequence length", where: str = "") -> None:
+    """The zigzag layout splits a global sequence into 2*cp equal, non-empty chunks."""
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp must be a positive int, got {cp!r}")
+    if seq_len <= 0 or seq_len % (2 * cp) != 0:
+        at = f" on {where}" if where else ""
+        raise ValueError(f"{what} {seq_len}{at} is not a positive multiple of 2*cp={2 * cp}; "
+                         f"pad with cp_softcap.sharding.pad_to_multiple(x, {2 * cp}) "
+                         "(and mask the padded labels), or use comm='a2a' with heads divisible by cp")
+
+
+def check_local_shards(q: torch.Tensor, k: torch.Tensor, cp: int, where: str) -> None:
+    """q, k, v are one rank's zigzag shards: the same length, two equal non-empty chunks."""
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"local q has {q.shape[1]} tokens but k/v have {k.shape[1]} on {where}; "
+                         "context-parallel attention needs q, k, v sharded the same way "
+                         "(cp_softcap.sharding.shard on each)")
+    if q.shape[1] == 0 or q.shape[1] % 2 != 0:
+        raise ValueError(f"local sequence length {q.shape[1]} on {where} is not a positive even "
+                         f"number: the global length must be a multiple of 2*cp={2 * cp}; pad with "
+                         f"cp_softcap.sharding.pad_to_multiple(x, {2 * cp}) before sharding")
+
+
 def normalize_scale(scale, head_dim: int) -> float:
     if scale is None:
         return head_dim ** -0.5
@@ -138,9 +174,7 @@ def make_spec(*, head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.
         raise ValueError(f"num_heads={num_heads!r} must be a non-negative int")
     if dtype not in _DTYPES:
         raise TypeError(f"dtype {dtype} is not supported; use float16, bfloat16, float32 or float64")
-    if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}; "
-                         "GQA needs Hq % Hkv == 0")
+    check_gqa(num_heads, num_kv_heads)
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not (0.0 <= dropout < 1.0):
         raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
     softcap = normalize_softcap(softcap)
@@ -150,8 +184,7 @@ def make_spec(*, head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.
     if dropout > 0:
         raise ValueError(f"attention dropout={dropout} is not supported by cp_softcap (its kernels are "
                          "exact and deterministic); set dropout=0.0 and regularise elsewhere")
-    if comm not in COMM_TYPES:
-        raise ValueError(f"comm must be one of {COMM_TYPES}, got {comm!r}")
+    check_comm(comm)
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
     return AttnSpec(head_dim=int(head_dim), head_dim_v=int(head_dim_v),
@@ -186,6 +219,4 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, where: str =
         raise ValueError(f"k and v head counts differ: {k.shape[2]} vs {v.shape[2]}{at}")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"q and k head dims differ: {q.shape[3]} vs {k.shape[3]}{at}")
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"num_heads={q.shape[2]} is not a multiple of num_kv_heads={k.shape[2]}{at}; "
-                         "GQA needs Hq % Hkv == 0")
+    check_gqa(q.shape[2], k.shape[2], at)

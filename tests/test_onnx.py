@@ -72,8 +72,8 @@ def test_export_math_equals_torch_kernel(dtype, window, sq, sk):
     q, k, v, _ = saturating_qkv(2, sq, sk, 4, 2, 16, dtype, 5.0, requires_grad=False)
     scale = 16 ** -0.5
     out, lse = export_attention(q, k, v, scale=scale, softcap=5.0, window=window or (None, None))
-    ref_out, ref_lse = cps.attention(q, k, v, softcap=5.0, window=window, return_lse=True,
-                                     backend="torch")
+    ref_out, ref_lse = cps.attention(q, k, v, softcap=5.0, causal=False, window=window,
+                                     return_lse=True, backend="torch")
     assert out.dtype == dtype and out.shape == ref_out.shape and lse.shape == ref_lse.shape
     tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(out.double(), ref_out.double(), rtol=tol, atol=tol)
@@ -86,7 +86,7 @@ def test_forced_non_torch_backend_is_refused_under_export(monkeypatch):
     q, k, v, _ = saturating_qkv(1, 8, 8, 2, 2, 16, torch.float32, None, requires_grad=False)
     with pytest.raises(ValueError, match="backend='sdpa' cannot be exported"):
         cps.attention(q, k, v, backend="sdpa")
-    torch.testing.assert_close(cps.attention(q, k, v, backend="torch"),
+    torch.testing.assert_close(cps.attention(q, k, v, causal=False, backend="torch"),
                                api.export_attention(q, k, v, scale=0.25, softcap=None, window=(None, None))[0])
 
 

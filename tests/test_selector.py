@@ -86,7 +86,7 @@ RULE_CASES = [
     ("fa3_opt_in", "fa3", dict(), dict(device_type="cuda"), dict(device_type="cuda"), {"clean": "1"},
      "CP_SOFTCAP_FA3=1"),
     ("fa3_never_cp", "fa3", dict(), dict(device_type="cuda", cp_size=8), dict(device_type="cuda"),
-     {"trigger": "1", "clean": "1"}, "never under context parallelism (cp=8)"),
+     {"trigger": "1", "clean": "1"}, "not under context parallelism (cp=8): FA3's context-parallel path cannot carry the softcap"),
 ]
 
 

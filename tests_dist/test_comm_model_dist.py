@@ -7,7 +7,7 @@ ring returns exclusive blocks' dK/dV in bf16, modelled with partial_bytes=2."""
 import pytest
 import torch
 
-from cases import install_native_standin
+from cases import native_standin
 from harness import run_ranks
 
 CP = 4
@@ -45,11 +45,10 @@ NATIVE_CASES = [
 def _worker(rank, world, cases, native):
     import torch.distributed as dist
     import cp_softcap as cps
-    from cp_softcap.comm import counting
+    from cp_softcap.transport import counting
     backend = "auto"
     if native:
-        kernel = install_native_standin()
-        backend = "torch"
+        backend = kernel = native_standin()
     hybrid = cps.make_hybrid_groups(None, 2)
     out = []
     for i, (comm, a2a, causal, window, hq, hkv, dtype) in enumerate(cases):

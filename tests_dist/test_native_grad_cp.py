@@ -4,7 +4,7 @@ the result must still match the float64 reference of full attention (gloo on CPU
 import pytest
 import torch
 
-from cases import install_native_standin, run_case
+from cases import native_standin, run_case
 from harness import run_ranks
 
 CAPS = (1.0, 30.0)   # saturating_qkv scales the logits to ~4x the cap: tanh saturates for both
@@ -12,7 +12,7 @@ CAPS = (1.0, 30.0)   # saturating_qkv scales the logits to ~4x the cap: tanh sat
 
 def _worker(rank, world, comm):
     from cp_softcap.cp import grad_accum
-    kernel = install_native_standin()
+    kernel = native_standin()
     bf16_adds, real_add = [0], grad_accum.GradAccumulator.add
 
     def add(self, lo, hi, grad):        # count the 16-bit partials the accumulator widens
@@ -24,7 +24,7 @@ def _worker(rank, world, comm):
     # (10, 0) at 8-token chunks: at cp 4 two ranks' blocks are exclusive (bf16 returns) and two
     # are not (float32 returns), so owners receive both dtypes in one block
     cases = [{**base, "softcap": cap} for cap in CAPS] + [{**base, "softcap": 30.0, "window": (10, 0)}]
-    errs = [run_case(case, seed=3000 + i, comm=comm, backend="torch") for i, case in enumerate(cases)]
+    errs = [run_case(case, seed=3000 + i, comm=comm, backend=kernel) for i, case in enumerate(cases)]
     calls = kernel.calls
     # ring / all_gather: every kernel partial reached an accumulator in bf16; the ring's owners
     # also add the bf16 dK/dV partials returned by causal (exclusive) blocks, all_gather
@@ -55,7 +55,7 @@ def _bitwise_worker(rank, world):
     from cp_softcap.cp import ring
     from cp_softcap.kernels.base import grad_dtype
     from cp_softcap.sharding import shard
-    install_native_standin()
+    kernel = native_standin()
     exact_return, bf16_blocks = ring.return_dtype, [0]
 
     def counted(*args):
@@ -73,7 +73,7 @@ def _bitwise_worker(rank, world):
             for returns in (counted, lambda kernel, dtype, *_: grad_dtype(dtype)):
                 ring.return_dtype = returns
                 local = [shard(t, world, rank).requires_grad_() for t in (q, k, v)]
-                out = cps.cp_attention(*local, dist.group.WORLD, backend="torch", softcap=30.0,
+                out = cps.cp_attention(*local, dist.group.WORLD, backend=kernel, softcap=30.0,
                                        causal=causal, window=window)
                 out.backward(shard(dout, world, rank))
                 grads.append([t.grad for t in local])

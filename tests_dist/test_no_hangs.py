@@ -207,6 +207,39 @@ def test_ranks_that_differ_in_kernel_or_block_size_fail_with_both_values(name, v
         assert elapsed < TIMEOUT_S, f"rank {rank} needed {elapsed:.1f}s"
 
 
+def _standin_kernels_worker(rank, world):
+    """Each rank passes its own kernel instance, both the torch kernel's math under names that
+    are in no list of the library: first under different names (must fail on both ranks), then
+    under the same name (must run, equal to the reference)."""
+    import cp_softcap as cps
+    from cp_softcap.kernels.torch_kernel import TorchKernel
+
+    class StandIn(TorchKernel):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+    differ = _timed(lambda: cps.cp_attention(*_qkv(seed=rank), _world(), softcap=5.0,
+                                             backend=StandIn(f"standin_{'ab'[rank]}")))
+    same = cps.cp_attention(*_qkv(seed=rank), _world(), softcap=5.0, backend=StandIn("standin_c"))
+    torch_out = cps.cp_attention(*_qkv(seed=rank), _world(), softcap=5.0, backend="torch")
+    return differ, torch.equal(same, torch_out)
+
+
+@pytest.mark.timeout(60)
+def test_two_kernels_outside_every_list_are_told_apart():
+    """The cross-rank check compares the selected kernel by its name, whatever it is (a kernel
+    name missing from a list must not encode the same on both ranks)."""
+    out = spawn(_standin_kernels_worker, 2)
+    for rank in (0, 1):
+        status, value = out[rank]
+        assert status == "ok", value
+        (elapsed, msg), same_as_torch = value
+        assert msg is not None and msg.startswith("ValueError"), msg
+        assert "selected kernel differs (rank 0: standin_a, rank 1: standin_b)" in msg, msg
+        assert elapsed < TIMEOUT_S and same_as_torch
+
+
 def _both_force_fa2_worker(rank, world):
     import cp_softcap as cps
     return _timed(lambda: cps.cp_attention(*_qkv(**BASE, seed=rank), _world(), backend="fa2"))
@@ -258,7 +291,7 @@ def test_divergence_into_seen_signatures_needs_check_every_call():
     """With CP_SOFTCAP_CHECK_EVERY_CALL=1 ranks that diverge into signatures they have each used
     before fail on every rank with the values. (Without it the first-call check cannot see this:
     measured, a softcap divergence runs silently and a seq-len one aborts the receiving process
-    inside gloo; see cp_softcap/cp/signature.py.)"""
+    inside gloo; see cp_softcap/plan.py.)"""
     out = spawn(_seen_both_worker, 2, env={**ENV, "CP_SOFTCAP_CHECK_EVERY_CALL": "1"})
     for rank in (0, 1):
         status, value = out[rank]

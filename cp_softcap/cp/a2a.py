@@ -1,69 +1,151 @@
-"""All-to-all (Ulysses) context parallelism, and the hybrid a2a+p2p (Ulysses inside an inner
-group, ring across the outer group). comm="a2a" is the hybrid with an outer group of one.
+"""comm="a2a": all-to-all (Ulysses) context parallelism, and the all-to-all re-sharding it
+shares with comm="a2a+p2p" (cp/a2a_p2p.py: the same steps with a ring across an outer group in
+place of the one whole-sequence kernel call).
 
-Forward: seq_to_heads on q, k, v within the inner group; the outer ring (or, with no outer
-group, one full-sequence kernel call with the real causal/window/softcap); heads_to_seq back.
-The head-sharded q/k/v and the float32 output/LSE are saved, so the backward re-sends nothing
-but dout: it runs the kernel (or ring) backward and returns the gradients through the adjoint
-all-to-all, summing replicated KV heads in float32, cast to the input dtype once. Without an
-outer ring each head's gradient is ONE kernel call's, so it travels in the kernel's own dtype
-(bf16 from flash-attn: the same result as a float32 copy, at half the bytes); the outer ring's
-gradients are float32 sums and travel as such.
+Forward: seq_to_heads on q, k, v within the all-to-all group; attention over the group's whole
+sequence for this rank's heads (one kernel call with the real causal/window/softcap); then
+heads_to_seq back. The head-sharded q/k/v and the float32 output/LSE are saved, so the backward
+re-sends nothing but dout: it runs the kernel backward and returns the gradients through the
+adjoint all-to-all, summing replicated KV heads in float32, cast to the input dtype once. Each
+head's gradient is ONE kernel call's, so it travels in the kernel's own dtype (bf16 from
+flash-attn: the same result as a float32 copy, at half the bytes).
+
+Layout (within a group of I ranks; rank i holds zigzag halves (first_i, second_i), c tokens
+each): seq_to_heads gives every rank the group's whole sequence for its own heads, ordered
+    first_0, first_1, ..., first_{I-1}, second_{I-1}, ..., second_0
+which is natural order when the group is the whole CP group, and the zigzag layout of the outer
+ring (super-chunks o and 2*outer-1-o) when it is the inner group of a hybrid a2a+p2p mesh.
+
+Head assignment: rank j receives query heads [j*Hq/I, (j+1)*Hq/I). K/V heads are split the same
+way when Hkv % I == 0; otherwise they are replicated so each rank has the KV heads its query
+heads use (GQA models with Hkv < cp keep working); gradients of replicas are summed back.
 """
 from __future__ import annotations
+
+from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .ring import ring_backward, ring_forward
-from .ulysses import heads_to_seq, heads_to_seq_sum, kv_head_index, query_head_index, seq_to_heads
 from ..kernels.base import grad_dtype
+from ..transport import all_to_all
 
 
-def check_heads(hq: int, hkv: int, inner: int, rank: int) -> None:
-    if hq % inner != 0:
+def heads_divide(num_heads: int, ranks: int) -> bool:
+    """The all-to-all gives each of `ranks` ranks the same number of query heads."""
+    return num_heads % ranks == 0
+
+
+def check_heads(hq: int, inner: int, rank: int) -> None:
+    if not heads_divide(hq, inner):
         raise ValueError(f"comm='a2a' needs the query head count divisible by the all-to-all group "
                          f"size: {hq} heads, group of {inner} (rank {rank}); use comm='ring' or "
                          "comm='all_gather', or comm='a2a+p2p' with a smaller inner group")
 
 
-def _local_attention(q, k, v, kernel, scale, softcap, window):
-    """Whole-sequence attention on one rank (no outer ring); float32 out for the backward."""
-    out, lse = kernel.forward(q, k, v, scale=scale, softcap=softcap, window=window)
+def query_head_index(hq: int, ranks: int) -> List[List[int]]:
+    per = hq // ranks
+    return [list(range(j * per, (j + 1) * per)) for j in range(ranks)]
+
+
+def kv_head_index(hq: int, hkv: int, ranks: int) -> List[List[int]]:
+    """KV heads each rank needs, so that local query head i uses local KV head i // (hq/ranks/len)."""
+    per_q, group = hq // ranks, hq // hkv
+    if hkv % ranks == 0:
+        per = hkv // ranks
+        return [list(range(j * per, (j + 1) * per)) for j in range(ranks)]
+    if group % per_q == 0:             # every local query head shares one KV head
+        return [[(j * per_q) // group] for j in range(ranks)]
+    return [[(j * per_q + i) // group for i in range(per_q)] for j in range(ranks)]
+
+
+def _order(recv: torch.Tensor) -> torch.Tensor:
+    """[I, B, 2c, h, D] per source rank -> [B, 2cI, h, D] in the documented sequence order."""
+    first, second = recv.chunk(2, dim=2)
+    return torch.cat([torch.cat(first.unbind(0), dim=1), torch.cat(second.flip(0).unbind(0), dim=1)], dim=1)
+
+
+def _unorder(x: torch.Tensor, ranks: int) -> torch.Tensor:
+    """Inverse of _order: [B, 2cI, h, D] -> [I, B, 2c, h, D] (each source rank's tokens)."""
+    first, second = x.chunk(2, dim=1)
+    firsts = first.chunk(ranks, dim=1)
+    seconds = second.chunk(ranks, dim=1)[::-1]
+    return torch.stack([torch.cat([f, s], dim=1) for f, s in zip(firsts, seconds)])
+
+
+def seq_to_heads(x: torch.Tensor, group, index: Sequence[Sequence[int]], op: str) -> torch.Tensor:
+    """x [B, 2c, H, D] (this rank's tokens, all heads) -> [B, 2cI, h, D] (group's tokens, heads
+    index[rank])."""
+    ranks = dist.get_world_size(group)
+    flat = torch.tensor([i for idx in index for i in idx], device=x.device)
+    b, s, _, d = x.shape
+    send = x.index_select(2, flat).view(b, s, ranks, len(index[0]), d).permute(2, 0, 1, 3, 4)
+    return _order(all_to_all(send, group, op))
+
+
+def heads_to_seq(y: torch.Tensor, group, op: str) -> torch.Tensor:
+    """y [B, 2cI, h, D] (group's tokens, this rank's h query heads) -> [B, 2c, I*h, D]."""
+    ranks = dist.get_world_size(group)
+    recv = all_to_all(_unorder(y, ranks), group, op)          # [I(src), B, 2c, h, D]
+    return torch.cat(recv.unbind(0), dim=2)
+
+
+def heads_to_seq_sum(g: torch.Tensor, group, index: Sequence[Sequence[int]], num_heads: int, op: str) -> torch.Tensor:
+    """Adjoint of seq_to_heads: g [B, 2cI, h, D] -> [B, 2c, H, D], summing replicated heads in
+    float32 (float64 for float64); g travels in its own dtype."""
+    ranks = dist.get_world_size(group)
+    recv = all_to_all(_unorder(g, ranks), group, op)          # [I(src), B, 2c, h, D]
+    acc = grad_dtype(g.dtype)
+    out = torch.zeros(recv.shape[1:3] + (num_heads, recv.shape[-1]), dtype=acc, device=g.device)
+    for j in range(ranks):                                    # fixed order: deterministic
+        out.index_add_(2, torch.tensor(index[j], device=g.device), recv[j].to(acc))
+    return out
+
+
+def a2a_forward(ctx, q, k, v, plan, attend):
+    """Re-shard by heads, attend(qh, kh, vh, plan) -> (float32 out, lse), re-shard back."""
+    heads = plan.heads
+    qh = seq_to_heads(q, heads.group, heads.q_index, "a2a.fwd.q")
+    kh = seq_to_heads(k, heads.group, heads.kv_index, "a2a.fwd.k")
+    vh = seq_to_heads(v, heads.group, heads.kv_index, "a2a.fwd.v")
+    out, lse = attend(qh, kh, vh, plan)
+    ctx.save_for_backward(qh, kh, vh, out, lse)
+    ctx.plan = plan
+    return heads_to_seq(out.to(q.dtype), heads.group, "a2a.fwd.out")
+
+
+def a2a_backward(ctx, dout, attend_backward):
+    """Adjoint of a2a_forward; attend_backward(douth, qh, kh, vh, out, lse, plan) -> grads."""
+    qh, kh, vh, out, lse = ctx.saved_tensors
+    plan = ctx.plan
+    heads, spec = plan.heads, plan.spec
+    douth = seq_to_heads(dout, heads.group, heads.q_index, "a2a.bwd.dout")
+    dq, dk, dv = attend_backward(douth, qh, kh, vh, out, lse, plan)
+    dq = heads_to_seq_sum(dq, heads.group, heads.q_index, spec.num_heads, "a2a.bwd.dq")
+    dk = heads_to_seq_sum(dk, heads.group, heads.kv_index, spec.num_kv_heads, "a2a.bwd.dk")
+    dv = heads_to_seq_sum(dv, heads.group, heads.kv_index, spec.num_kv_heads, "a2a.bwd.dv")
+    return dq.to(spec.dtype), dk.to(spec.dtype), dv.to(spec.dtype), None
+
+
+def _attend(q, k, v, plan):
+    """The whole sequence on this rank, one kernel call; float32 out for the backward."""
+    spec = plan.spec
+    out, lse = plan.kernel.forward(q, k, v, scale=spec.scale, softcap=spec.softcap, window=spec.window)
     return out.to(grad_dtype(q.dtype)), lse
 
 
-class UlyssesAttention(torch.autograd.Function):
+def _attend_backward(dout, q, k, v, out, lse, plan):
+    spec = plan.spec
+    return plan.kernel.backward(dout, q, k, v, out, lse, scale=spec.scale, softcap=spec.softcap,
+                                window=spec.window)
+
+
+class A2AAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, inner, outer, kernel, scale, softcap, window):
-        ranks = dist.get_world_size(inner)
-        q_idx = query_head_index(q.shape[2], ranks)
-        kv_idx = kv_head_index(q.shape[2], k.shape[2], ranks)
-        qh = seq_to_heads(q, inner, q_idx, "a2a.fwd.q")
-        kh = seq_to_heads(k, inner, kv_idx, "a2a.fwd.k")
-        vh = seq_to_heads(v, inner, kv_idx, "a2a.fwd.v")
-        if outer is None:
-            out, lse = _local_attention(qh, kh, vh, kernel, scale, softcap, window)
-        else:
-            out, lse = ring_forward(qh, kh, vh, outer, kernel, scale, softcap, window)
-        ctx.save_for_backward(qh, kh, vh, out, lse)
-        ctx.args = (inner, outer, kernel, scale, softcap, window, q_idx, kv_idx,
-                    q.shape[2], k.shape[2], q.dtype, k.dtype, v.dtype)
-        return heads_to_seq(out.to(q.dtype), inner, "a2a.fwd.out")
+    def forward(ctx, q, k, v, plan):
+        return a2a_forward(ctx, q, k, v, plan, _attend)
 
     @staticmethod
     def backward(ctx, dout):
-        qh, kh, vh, out, lse = ctx.saved_tensors
-        inner, outer, kernel, scale, softcap, window, q_idx, kv_idx, hq, hkv, qdt, kdt, vdt = ctx.args
-        douth = seq_to_heads(dout, inner, q_idx, "a2a.bwd.dout")
-        if outer is None:
-            dq, dk, dv = kernel.backward(douth, qh, kh, vh, out, lse, scale=scale,
-                                                   softcap=softcap, window=window)
-        else:
-            dq, dk, dv = ring_backward(douth, qh, kh, vh, out, lse, outer, kernel, scale,
-                                       softcap, window)
-        dq = heads_to_seq_sum(dq, inner, q_idx, hq, "a2a.bwd.dq")
-        dk = heads_to_seq_sum(dk, inner, kv_idx, hkv, "a2a.bwd.dk")
-        dv = heads_to_seq_sum(dv, inner, kv_idx, hkv, "a2a.bwd.dv")
-        return dq.to(qdt), dk.to(kdt), dv.to(vdt), None, None, None, None, None, None
+        return a2a_backward(ctx, dout, _attend_backward)

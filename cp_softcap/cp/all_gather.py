@@ -12,20 +12,19 @@ in global order and reduce-scatters them in float32 to their zigzag owners.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ..comm import all_gather, reduce_scatter, wait
+from ..kernels.base import grad_dtype
 from ..layout import plan_pair
+from ..transport import all_gather, reduce_scatter, wait
 from .grad_accum import GradAccumulator
 from .packing import pack, unpack
-from ..kernels.base import grad_dtype
 
 
 class _Gathered:
     """The two gathered halves of K/V, in global order, with lazy views of key ranges."""
 
-    def __init__(self, k, v, group, op):
-        self.cp, self.k_shape, self.v_shape = dist.get_world_size(group), k.shape, v.shape
+    def __init__(self, k, v, group, cp, op):
+        self.cp, self.k_shape, self.v_shape = cp, k.shape, v.shape
         self.half = k.shape[1] // 2
         k1, k2 = k.chunk(2, dim=1)
         v1, v2 = v.chunk(2, dim=1)
@@ -73,58 +72,56 @@ def _chunk_calls(cp: int, rank: int, chunk: int, window):
 class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, group, kernel, scale, softcap, window):
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        chunk = q.shape[1] // 2
-        kv = _Gathered(k, v, group, "all_gather.fwd.kv")
+    def forward(ctx, q, k, v, plan):
+        zz, spec = plan.zigzag, plan.spec
+        kv = _Gathered(k, v, zz.group, zz.size, "all_gather.fwd.kv")
         acc = grad_dtype(q.dtype)
         out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=acc, device=q.device)
         lse = torch.full(q.shape[:1] + (q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
-        for row, plan in _chunk_calls(cp, rank, chunk, window):
-            if plan is None:
+        for row, call in _chunk_calls(zz.size, zz.rank, zz.chunk, zz.window):
+            if call is None:
                 continue
-            q0, q1, k0, k1, w = plan
+            q0, q1, k0, k1, w = call
             ks, vs = kv.keys(k0, k1)
-            o, l = kernel.forward(q[:, row + q0:row + q1], ks, vs, scale=scale, softcap=softcap, window=w)
+            o, l = plan.kernel.forward(q[:, row + q0:row + q1], ks, vs, scale=spec.scale,
+                                       softcap=spec.softcap, window=w)
             out[:, row + q0:row + q1] = o
             lse[:, :, row + q0:row + q1] = l
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, kernel, scale, softcap, window)
+        ctx.plan = plan
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, kernel, scale, softcap, window = ctx.args
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        chunk = q.shape[1] // 2
-        kv = _Gathered(k, v, group, "all_gather.bwd.kv")
+        plan = ctx.plan
+        zz, spec, kernel = plan.zigzag, plan.spec, plan.kernel
+        kv = _Gathered(k, v, zz.group, zz.size, "all_gather.bwd.kv")
         # once per backward, not per call (e.g. fa4 casts the float32 O and corrects D here)
         dout, out, dlse = kernel.prepare_backward(dout, out, None, q.dtype)
         gdt = grad_dtype(q.dtype)
-        total = 2 * cp * chunk
+        total = 2 * zz.size * zz.chunk
         dq = GradAccumulator(q.shape, gdt, q.device)
         dk_full = GradAccumulator((k.shape[0], total) + tuple(k.shape[2:]), gdt, q.device)
         dv_full = GradAccumulator((v.shape[0], total) + tuple(v.shape[2:]), gdt, q.device)
-        for row, plan in _chunk_calls(cp, rank, chunk, window):
-            if plan is None:
+        for row, call in _chunk_calls(zz.size, zz.rank, zz.chunk, zz.window):
+            if call is None:
                 continue
-            q0, q1, k0, k1, w = plan
+            q0, q1, k0, k1, w = call
             ks, vs = kv.keys(k0, k1)
             rows = slice(row + q0, row + q1)
-            gq, gk, gv = kernel.backward(dout[:, rows], q[:, rows], ks, vs,
-                                                   out[:, rows], lse[:, :, rows], scale=scale,
-                                                   softcap=softcap, window=w,
-                                                   dlse=None if dlse is None else dlse[:, :, rows])
+            gq, gk, gv = kernel.backward(dout[:, rows], q[:, rows], ks, vs, out[:, rows],
+                                         lse[:, :, rows], scale=spec.scale, softcap=spec.softcap,
+                                         window=w, dlse=None if dlse is None else dlse[:, :, rows])
             dq.add(rows.start, rows.stop, gq)
             dk_full.add(k0, k1, gk)
             dv_full.add(k0, k1, gv)
         # reorder global dK/dV into per-owner zigzag slots and reduce-scatter in float32
         dk_full, dv_full = dk_full.result(), dv_full.result()
-        slots = torch.stack([pack(*_owner_shard(dk_full, dv_full, cp, r)) for r in range(cp)])
-        mine = reduce_scatter(slots, group, "all_gather.bwd.dkv")
+        slots = torch.stack([pack(*_owner_shard(dk_full, dv_full, zz.size, r)) for r in range(zz.size)])
+        mine = reduce_scatter(slots, zz.group, "all_gather.bwd.dkv")
         dk, dv = unpack(mine, k.shape, v.shape)
-        return dq.result().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.result().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
 def _owner_shard(dk_full, dv_full, cp, r):

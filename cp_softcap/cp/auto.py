@@ -6,7 +6,7 @@ comm="auto" gets ONE process group, so it chooses only among the single-group sc
 all_gather and a2a. a2a+p2p needs a group pair (make_hybrid_groups); bytes_per_rank and
 describe_comm_choice model it when given a2a_size=, but auto never picks it.
 
-Model: the bytes each rank SENDS, per op name exactly as comm.counting() records them (point-to-
+Model: the bytes each rank SENDS, per op name exactly as transport.counting() records them (point-to-
 point messages as sent, collectives at their algorithmic volume, (ranks - 1) pieces per rank).
 n = S/cp local tokens (two zigzag chunks of c = n/2), B batch, e = input element bytes,
 g = gradient bytes (float32; float64 for float64 inputs), kv = B * Hkv * (D + Dv) per token,
@@ -28,19 +28,19 @@ the flash-attn family (caps.grads_in_input_dtype), g for the torch kernel; defau
       chunks) can read the same keys, and then that rank's whole block returns float32.
   all_gather (cp/all_gather.py): fwd (cp-1) * n * kv * e (two half-shard gathers); bwd the same
       re-gather + (cp-1) * n * kv * g (float32 reduce-scatter of dK/dV). Window-independent.
-  a2a (cp/a2a.py, ulysses.py; needs Hq % cp == 0; h = Hq/cp, hk = KV heads per rank with
+  a2a (cp/a2a.py; needs Hq % cp == 0; h = Hq/cp, hk = KV heads per rank with
       replicas, kv_head_index): (cp-1) * B * c2 with c2 = n tokens per destination:
       fwd q (h*D*e), k (hk*D*e), v (hk*Dv*e), out (h*Dv*e); bwd dout (h*Dv*e), dq (h*D*p),
       dk (hk*D*p), dv (hk*Dv*p) with p = the kernel's partial bytes (one kernel call per head:
       its gradient travels in the kernel's dtype).
       Inside a2a+p2p the gradients are the outer ring's float32 sums: p = g there.
-  a2a+p2p with a2a_size a (cp/a2a.py with an outer group; CP rank = ring_rank * a + a2a_rank):
+  a2a+p2p with a2a_size a (cp/a2a_p2p.py; CP rank = ring_rank * a + a2a_rank):
       the a2a terms above on the inner group (cp -> a, same n), plus the ring terms of the outer
       ring: cp/a ranks, chunk a*c (blocks of ring_blocks(cp/a, a*n, block_keys)), Hq/a query and
       hk KV heads per rank; busiest rank total.
 bytes_per_rank is the busiest rank's TOTAL (max over ranks of fwd + bwd), not per-op maxima.
 sent_per_rank gives every rank's per-op bytes; benchmarks/comm_bytes.py checks both against
-comm.counting() at Gemma2-9B shapes.
+transport.counting() at Gemma2-9B shapes.
 """
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ from typing import Dict, List, Optional
 
 from ..layout import block_exclusive, block_plan, key_range, ring_blocks
 from ..settings import ring_block_keys
-from ..spec import AttnSpec, Window
-from .ulysses import kv_head_index
+from ..spec import AttnSpec, Window, check_zigzag_length
+from .a2a import heads_divide, kv_head_index
 
 SINGLE_GROUP = ("ring", "all_gather", "a2a")      # what comm="auto" chooses among, tie order
 
@@ -60,11 +60,8 @@ def _sizes(spec: AttnSpec):
 
 
 def _local_len(spec: AttnSpec, seq_len: int) -> int:
-    cp = spec.cp_size
-    if seq_len <= 0 or seq_len % (2 * cp) != 0:
-        raise ValueError(f"seq_len {seq_len} is not a positive multiple of 2*cp = {2 * cp} "
-                         "(the zigzag layout needs two equal chunks per rank)")
-    return seq_len // cp
+    check_zigzag_length(seq_len, spec.cp_size)
+    return seq_len // spec.cp_size
 
 
 def _keys(kr) -> int:
@@ -121,7 +118,7 @@ def sent_per_rank(spec: AttnSpec, seq_len: int, comm: str, batch: int = 1,
                   a2a_size: Optional[int] = None, *, partial_bytes: Optional[int] = None,
                   block_keys: Optional[int] = None) -> Optional[List[Dict[str, int]]]:
     """Modelled bytes each CP rank sends in one layer's forward + backward, per op name (the
-    names comm.counting() records). None where the scheme cannot run these heads (a2a needs
+    names transport.counting() records). None where the scheme cannot run these heads (a2a needs
     Hq % group size == 0). comm="a2a+p2p" needs a2a_size (dividing cp).
 
     partial_bytes: element bytes of the kernel's dK/dV partials,
@@ -144,14 +141,14 @@ def sent_per_rank(spec: AttnSpec, seq_len: int, comm: str, batch: int = 1,
                "all_gather.bwd.dkv": (cp - 1) * n * kv * g}
         return [{k: v for k, v in ops.items() if v} for _ in range(cp)]
     if comm == "a2a":
-        if spec.num_heads % cp:
+        if not heads_divide(spec.num_heads, cp):
             return None
         ops = {k: v for k, v in _a2a(spec, cp, n, batch, p).items() if v}
         return [dict(ops) for _ in range(cp)]
     if comm == "a2a+p2p":
         if a2a_size is None or a2a_size < 1 or cp % a2a_size:
             raise ValueError(f"a2a+p2p needs an a2a_size that divides cp={cp}, got {a2a_size}")
-        if spec.num_heads % a2a_size:
+        if not heads_divide(spec.num_heads, a2a_size):
             return None
         inner = {k: v for k, v in _a2a(spec, a2a_size, n, batch, g).items() if v}
         hk = len(kv_head_index(spec.num_heads, spec.num_kv_heads, a2a_size)[0])

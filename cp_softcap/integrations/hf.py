@@ -34,10 +34,11 @@ import weakref
 from typing import Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
-from ..module import cp_attention
+from ..api import cp_attention
+from ..plan import resolve_groups
 from ..sharding import positions as zigzag_positions
+from ..spec import check_comm
 
 NAME = "cp_softcap"
 _CONFIG = {"group": None, "comm": "ring", "backend": "auto"}
@@ -51,9 +52,7 @@ def use_cp_group(group, *, comm: str = "ring", backend: str = "auto") -> None:
     comm: "ring" | "all_gather" | "a2a" | "a2a+p2p" | "auto", as for cp_softcap.CPAttention.
     For "a2a+p2p" the group is the pair (a2a_group, ring_group) from
     cp_softcap.make_hybrid_groups(cp_group, a2a_size), or a 2-D DeviceMesh (ring, a2a)."""
-    from ..spec import COMM_TYPES
-    if comm not in COMM_TYPES:
-        raise ValueError(f"comm must be one of {COMM_TYPES}, got {comm!r}")
+    check_comm(comm)
     if group is not None:
         _cp_size_rank(group, comm)      # a pair without a2a+p2p, or a2a+p2p without one: raise now
     _CONFIG.update(group=group, comm=comm, backend=backend)
@@ -64,14 +63,8 @@ def _cp_size_rank(group, comm: str) -> Tuple[int, int]:
     """(cp size, CP rank) of `group` for `comm`; a2a+p2p: ring rank * a2a size + a2a rank."""
     if group is None:
         return 1, 0
-    if comm == "a2a+p2p":
-        from ..cp.dispatch import hybrid_groups
-        inner, outer = hybrid_groups(group)
-        a = dist.get_world_size(inner)
-        return a * dist.get_world_size(outer), dist.get_rank(outer) * a + dist.get_rank(inner)
-    from ..module import _as_group, _group_size
-    group = _as_group(group, comm)
-    return _group_size(group), dist.get_rank(group)
+    _, cp, rank = resolve_groups(group, comm)
+    return cp, rank
 
 
 def _check_mask(mask) -> None:

@@ -9,10 +9,10 @@ from typing import Dict, Tuple
 
 from .base import CAUSAL, FULL, Capabilities, Kernel
 
-KERNEL_NAMES: Tuple[str, ...] = ("fa2", "fa3", "fa4", "flex", "sdpa", "torch")
 _MODULES = {"fa2": ("fa2", "FA2Kernel"), "fa3": ("fa3", "FA3Kernel"), "fa4": ("fa4", "FA4Kernel"),
             "flex": ("flex", "FlexKernel"), "sdpa": ("sdpa", "SdpaKernel"),
             "torch": ("torch_kernel", "TorchKernel")}
+KERNEL_NAMES: Tuple[str, ...] = tuple(_MODULES)        # the one list of kernel names
 _CACHE: Dict[str, Kernel] = {}
 
 

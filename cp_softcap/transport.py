@@ -1,5 +1,6 @@
-"""Communication for the CP algorithms: async point-to-point exchange, timeouts that turn a
-missing rank into an error, host staging for gloo + CUDA, and byte counters.
+"""Transport for the CP algorithms: async point-to-point exchange, collectives, timeouts that
+turn a missing rank into an error, host staging for gloo + CUDA, byte counters, and the check
+that every rank of a group makes the same call.
 
 gloo cannot send CUDA tensors point-to-point, so when the group's backend is gloo and tensors
 live on CUDA, sends copy to host first and receives land in host buffers copied back after the
@@ -9,12 +10,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from datetime import timedelta
-from typing import Dict, List
+from typing import Dict, List, Sequence, Tuple
+
+import hashlib
 
 import torch
 import torch.distributed as dist
 
 from .settings import timeout_s
+
 
 class ByteCounter:
     """Bytes this rank sent, per operation name. `with counting() as c:` scopes a measurement."""
@@ -117,8 +121,8 @@ class Exchange:
         self.works, self._copies, self._keep_alive = [], [], []
 
 
-# torch >= 2.13 renamed the tensor collectives; older releases (the GPU machine's 2.11) have
-# only the old names. Same signatures.
+# torch >= 2.13 renamed the tensor collectives; older releases have only the old names.
+# Same signatures.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -158,3 +162,33 @@ def count_bytes(op: str, piece: torch.Tensor, times: int) -> None:
     """Record `times` copies of `piece` sent by this rank (collectives' algorithmic volume)."""
     for c in _COUNTERS:
         c.sent[op] += piece.numel() * piece.element_size() * times
+
+
+def _code(value: str) -> float:
+    """A 52-bit digest of `value`: exact in float64, so one small all_gather compares any fields."""
+    return float(int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(), "big") >> 12)
+
+
+def check_agreement(group, fields: Sequence[Tuple[str, str]], device, what: str) -> None:
+    """Raise ValueError on every rank of `group` unless every rank passed the same `fields`
+    ((name, value as text) pairs, in the same order). The message names each field that
+    differs with every rank's value. One all_gather of digests; the texts travel only when
+    something differs (every rank then sees the same table, so all take that path together)."""
+    mine = torch.tensor([_code(value) for _, value in fields], dtype=torch.float64, device=device)
+    cp = dist.get_world_size(group)
+    everyone = [torch.empty_like(mine) for _ in range(cp)]
+    wait(dist.all_gather(everyone, mine, group=group, async_op=True), what, group)
+    table = torch.stack(everyone).cpu()
+    if bool((table == table[0]).all()):
+        return
+    texts: list = [None] * cp
+    dist.all_gather_object(texts, [value for _, value in fields], group=group)
+    diffs = []
+    for col, (name, _) in enumerate(fields):
+        if not bool((table[:, col] == table[0, col]).all()):
+            per_rank = ", ".join(f"rank {r}: {texts[r][col]}" for r in range(cp))
+            diffs.append(f"{name} differs ({per_rank})")
+    raise ValueError(f"cp_softcap: the ranks of the CP group called attention differently "
+                     f"(seen on rank {dist.get_rank(group)}): " + "; ".join(diffs) +
+                     ". Every CP rank must pass shards of the same shape, dtype and options, and "
+                     "select the same kernel (same packages installed; or force one with backend=).")

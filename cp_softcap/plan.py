@@ -1,0 +1,268 @@
+"""The plan of one attention call: everything decided once per call signature.
+
+`plan_for(q, k, v, group, ...)` validates the call and resolves it into a `Plan`: the validated
+AttnSpec, the process group(s) with this rank's CP size and rank, the selected kernel, the
+algorithm after comm='auto', and the zigzag / head geometry the algorithm runs on. Plans are
+cached per (group, call signature) in a WeakKeyDictionary on the group object, so a freed
+group takes its plans with it. The plan is the only thing that crosses into the algorithms:
+each autograd.Function takes (q, k, v, plan).
+
+Under CP the first call of a signature (every call with CP_SOFTCAP_CHECK_EVERY_CALL=1) compares
+`signature(plan)` across the ranks: every compared field of the plan and of its spec, so a new
+field that sizes a message is compared by being added here. A local failure (no kernel for a
+forced backend, a bad CP_SOFTCAP_RING_BLOCK_KEYS) is raised only after that exchange, so every
+rank fails at once with every rank's value instead of leaving its peers waiting.
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import settings
+from .cp.a2a import check_heads, kv_head_index, query_head_index
+from .cp.a2a_p2p import hybrid_groups, hybrid_rank
+from .cp.auto import choose_comm
+from .export import refuse_cp
+from .kernels.base import Kernel
+from .layout import ring_blocks
+from .selector import select
+from .spec import AttnSpec, check_comm, check_local_shards, check_qkv, make_spec
+from .transport import check_agreement
+
+Backend = Union[str, Kernel]
+
+
+@dataclass(frozen=True)
+class Zigzag:
+    """This rank's place in a zigzag-sharded ring or all-gather: `size` ranks of `group`, each
+    holding 2 chunks of `chunk` tokens; `blocks` groups the ring's steps (layout.ring_blocks)."""
+    group: object
+    size: int
+    rank: int
+    chunk: int
+    window: Tuple[Optional[int], Optional[int]]
+    blocks: Tuple[Tuple[int, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The all-to-all re-sharding by heads inside `group` (size ranks): query / KV heads each
+    rank receives (KV heads replicated when Hkv % size != 0)."""
+    group: object
+    size: int
+    q_index: Tuple[Tuple[int, ...], ...]
+    kv_index: Tuple[Tuple[int, ...], ...]
+
+
+def _local(**kw):
+    """A field that differs between ranks by design (or is derived from compared fields): not
+    part of the cross-rank signature."""
+    return field(metadata={"local": True}, **kw)
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """One attention call, resolved. Compared across ranks: every field not marked local, and
+    every field of `spec` (see signature())."""
+    spec: AttnSpec
+    batch: int
+    local_len: int                          # this rank's tokens (q, k and v alike)
+    backend: str                            # what the caller asked for: 'auto' or a kernel name
+    kernel: Optional[Kernel]                # None only while a failed plan is being compared
+    ring_block_keys: Optional[int]          # None only while an invalid setting is compared
+    comm: str = _local(default="local")     # the algorithm after 'auto' (derived from the above)
+    rank: int = _local(default=0)           # CP rank: ring rank * a2a size + a2a rank for a2a+p2p
+    zigzag: Optional[Zigzag] = _local(default=None)    # ring / all_gather / a2a+p2p's ring
+    heads: Optional[Heads] = _local(default=None)      # a2a / a2a+p2p's all-to-all
+
+    @property
+    def cp_size(self) -> int:
+        return self.spec.cp_size
+
+
+_LABELS = {"local_len": "local seq len", "num_heads": "query heads", "num_kv_heads": "kv heads",
+           "head_dim_v": "v head dim", "device_type": "device type", "kernel": "selected kernel",
+           "ring_block_keys": "ring block keys", "needs_backward": "needs backward",
+           "return_lse": "return lse", "cp_size": "cp size"}
+
+
+def _text(name: str, value) -> str:
+    if name == "kernel":
+        return value.name if value is not None else "none (no kernel can serve the call there)"
+    if name == "ring_block_keys" and value is None:
+        return "invalid CP_SOFTCAP_RING_BLOCK_KEYS"
+    if isinstance(value, torch.dtype):
+        return str(value).replace("torch.", "")
+    return str(value)
+
+
+def signature(plan: Plan) -> Tuple[Tuple[str, str], ...]:
+    """(label, value as text) of every compared field of the plan and its spec."""
+    rows = []
+    for f in dataclasses.fields(plan):
+        if f.metadata.get("local"):
+            continue
+        value = getattr(plan, f.name)
+        if isinstance(value, AttnSpec):
+            for sf in dataclasses.fields(value):
+                sv = getattr(value, sf.name)
+                if sf.name == "window":
+                    rows += [("window left", str(sv[0])), ("window right", str(sv[1]))]
+                else:
+                    rows.append((_LABELS.get(sf.name, sf.name.replace("_", " ")), _text(sf.name, sv)))
+        else:
+            rows.append((_LABELS.get(f.name, f.name.replace("_", " ")), _text(f.name, value)))
+    return tuple(rows)
+
+
+# ---------------------------------------------------------------------------------- groups
+
+def resolve_groups(group, comm: str) -> Tuple[tuple, int, int]:
+    """((group,) or (a2a group, ring group), CP size, CP rank) for `group` as passed by the user:
+    None, a process group, a 1-D DeviceMesh, or for comm='a2a+p2p' a pair / 2-D mesh."""
+    check_comm(comm)
+    if comm == "a2a+p2p":
+        inner, outer = hybrid_groups(group)
+        return (inner, outer), dist.get_world_size(inner) * dist.get_world_size(outer), hybrid_rank(inner, outer)
+    group = _as_process_group(group, comm)
+    if group is None:
+        return (None,), 1, 0
+    if isinstance(group, (tuple, list)):
+        raise ValueError("a pair of groups is only meaningful with comm='a2a+p2p'")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("cp_attention got a process group but torch.distributed is not initialised; "
+                           "call torch.distributed.init_process_group first (torchrun sets the env), "
+                           "or pass group=None for single-device attention")
+    return (group,), dist.get_world_size(group), dist.get_rank(group)
+
+
+def _as_process_group(group, comm: str):
+    """A 1-D DeviceMesh stands for its process group (2-D meshes are for comm='a2a+p2p')."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover
+        return group
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"a {group.ndim}-D DeviceMesh needs comm='a2a+p2p'; pass mesh['cp'] for comm={comm!r}")
+        return group.get_group()
+    return group
+
+
+def _check_member(cp_size: int) -> None:
+    if cp_size < 1:        # get_world_size(group) is -1 on a rank outside `group`
+        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else "?"
+        raise ValueError(f"global rank {me} is not a member of the process group passed as the CP "
+                         f"group (its size seen from here is {cp_size}); pass the CP group this rank "
+                         "belongs to (e.g. mesh['cp'] of a DeviceMesh) or None for one device")
+
+
+# ---------------------------------------------------------------------------------- plans
+
+class _OneDevice:
+    """Stands for group=None in the plan cache (a key that is never freed)."""
+
+
+_ONE_DEVICE = _OneDevice()
+_PLANS: "weakref.WeakKeyDictionary[object, Dict[tuple, Plan]]" = weakref.WeakKeyDictionary()
+
+
+def spec_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap, causal, window, scale,
+             cp_size: int = 1, comm: str = "ring", return_lse: bool = False) -> AttnSpec:
+    """The validated AttnSpec of a call on these tensors."""
+    needs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    refuse_cp(cp_size)     # every CP entry point builds its spec here, before any collective
+    _check_member(cp_size)
+    return make_spec(head_dim=q.shape[-1], head_dim_v=v.shape[-1], num_heads=q.shape[2],
+                     num_kv_heads=k.shape[2], dtype=q.dtype, device_type=q.device.type,
+                     softcap=softcap, causal=causal, window=window, scale=scale,
+                     needs_backward=needs_backward, cp_size=cp_size, comm=comm,
+                     return_lse=return_lse)
+
+
+def local_plan(spec: AttnSpec, backend: Backend = "auto") -> Plan:
+    """The plan of a single-device call (cached per spec and backend)."""
+    key = (spec, backend, settings.planning_inputs())
+    plans = _PLANS.setdefault(_ONE_DEVICE, {})
+    if key not in plans:
+        kernel = select(spec, backend).kernel
+        plans[key] = Plan(spec, 0, 0, _backend_name(backend), kernel, None)
+    return plans[key]
+
+
+def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple, cp: int, rank: int,
+             *, softcap, causal, window, scale, comm: str, backend: Backend) -> Plan:
+    """The plan of a context-parallel call on this rank's shards, for groups/cp/rank from
+    resolve_groups (cached per group and call signature; see the module docstring for the
+    cross-rank check)."""
+    _check_member(cp)
+    where = f"CP rank {rank}"
+    check_qkv(q, k, v, where=where)
+    check_local_shards(q, k, cp, where)
+    spec = spec_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
+                    cp_size=cp, comm=comm)
+    key = (spec, q.shape[0], q.shape[1], groups[1:], backend, settings.planning_inputs())
+    plans = _PLANS.setdefault(groups[0], {})
+    plan = plans.get(key)
+    if plan is None:
+        plan, error = _draft(spec, q.shape[0], q.shape[1], backend)
+        _compare(plan, groups, q.device)
+        if error is not None:
+            raise error
+        plan = _finish(plan, groups, rank)
+        plans[key] = plan
+    elif settings.check_every_call():
+        _compare(plan, groups, q.device)
+    return plan
+
+
+def _backend_name(backend: Backend) -> str:
+    return backend.name if isinstance(backend, Kernel) else str(backend)
+
+
+def _draft(spec: AttnSpec, batch: int, local_len: int, backend: Backend):
+    """(plan with the compared fields, local error or None)."""
+    kernel = keys = error = None
+    try:
+        keys = settings.ring_block_keys()
+        kernel = select(spec, backend).kernel
+    except ValueError as e:
+        error = e
+    return Plan(spec, batch, local_len, _backend_name(backend), kernel, keys), error
+
+
+def _compare(plan: Plan, groups: tuple, device) -> None:
+    for g in groups:
+        on = device if dist.get_backend(g) == "nccl" else torch.device("cpu")
+        check_agreement(g, signature(plan), on, "the CP call-signature check")
+
+
+def _finish(plan: Plan, groups: tuple, rank: int) -> Plan:
+    """Resolve comm='auto' and the algorithm's geometry (after the ranks agreed)."""
+    spec, cp = plan.spec, plan.cp_size
+    comm = spec.comm
+    if comm == "auto":
+        comm = choose_comm(spec, plan.local_len * cp, plan.batch, block_keys=plan.ring_block_keys,
+                           partial_bytes=plan.kernel.partial_dtype(spec.dtype).itemsize)
+    zigzag = heads = None
+    if comm in ("a2a", "a2a+p2p"):
+        group = groups[0]
+        size = dist.get_world_size(group)
+        check_heads(spec.num_heads, size, rank)
+        heads = Heads(group, size, _tuples(query_head_index(spec.num_heads, size)),
+                      _tuples(kv_head_index(spec.num_heads, spec.num_kv_heads, size)))
+    if comm != "a2a":
+        group = groups[-1]
+        size, ring_len = dist.get_world_size(group), plan.local_len * (heads.size if heads else 1)
+        blocks = ring_blocks(size, ring_len, plan.ring_block_keys) if comm != "all_gather" else ()
+        zigzag = Zigzag(group, size, dist.get_rank(group), ring_len // 2, spec.window, blocks)
+    return dataclasses.replace(plan, comm=comm, rank=rank, zigzag=zigzag, heads=heads)
+
+
+def _tuples(index) -> Tuple[Tuple[int, ...], ...]:
+    return tuple(tuple(i) for i in index)

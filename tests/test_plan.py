@@ -1,0 +1,48 @@
+"""The plan of a call (cp_softcap.plan): built once per call signature, and the cross-rank
+signature is every compared field of the plan and its spec."""
+import dataclasses
+
+import torch
+
+import cp_softcap as cps
+from cp_softcap import plan as planning
+from cp_softcap.kernels.torch_kernel import TorchKernel
+
+
+def _spec(**kw):
+    return cps.make_spec(head_dim=8, num_heads=4, num_kv_heads=2, dtype=torch.float32,
+                         device_type="cpu", softcap=5.0, causal=True, **kw)
+
+
+def test_signature_covers_every_compared_field_of_plan_and_spec():
+    spec = _spec(window=(3, 0), cp_size=2)
+    plan = planning.Plan(spec, 1, 8, "auto", TorchKernel(), 32768)
+    rows = dict(planning.signature(plan))
+    compared = [f for f in dataclasses.fields(plan) if not f.metadata.get("local")]
+    assert len(rows) == len(compared) - 1 + len(dataclasses.fields(spec)) + 1   # spec flattened, window split
+    assert rows["selected kernel"] == "torch" and rows["ring block keys"] == "32768"
+    assert rows["local seq len"] == "8" and rows["softcap"] == "5.0" and rows["window left"] == "3"
+    assert rows["dtype"] == "float32" and rows["comm"] == "ring"
+    failed = planning.Plan(spec, 1, 8, "fa2", None, None)
+    rows = dict(planning.signature(failed))
+    assert rows["selected kernel"].startswith("none") and rows["ring block keys"].startswith("invalid")
+
+
+def test_local_plan_is_built_once_per_signature():
+    spec = _spec()
+    first = planning.local_plan(spec, "torch")
+    assert planning.local_plan(spec, "torch") is first
+    assert planning.local_plan(_spec(window=(2, 0)), "torch") is not first
+    assert first.kernel.name == "torch" and first.comm == "local"
+
+
+def test_kernel_instance_as_backend():
+    """backend= takes a Kernel instance wherever it takes a name: it is used as given."""
+    mine = TorchKernel(block_q=16, block_k=16)
+    q, k, v = (torch.randn(1, 32, h, 8, dtype=torch.float64) * 3 for h in (4, 2, 2))
+    calls = []
+    forward = mine.forward
+    mine.forward = lambda *a, **kw: calls.append(1) or forward(*a, **kw)
+    out = cps.attention(q, k, v, softcap=5.0, backend=mine)
+    assert calls and torch.allclose(out, cps.attention(q, k, v, softcap=5.0, backend="torch"))
+    assert cps.select(_spec(), mine).kernel is mine
