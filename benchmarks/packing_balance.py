@@ -15,9 +15,11 @@ time. Layouts:
               document padded to a multiple of 2cp and split into 2cp chunks; its padding % is
               the tokens it adds (padding computes nothing here, so its area ratio is optimistic)
   contiguous  cp equal contiguous pieces
-Padding % = tokens a layout adds / stream tokens. Calls / messages: per rank per forward for a
-ring over that layout (doc_geometry.step_calls / send_ranges), the busiest rank's count; the
-per-document head-tail layout is not expressible as equal chunks, so it has none.
+Padding % = tokens a layout adds / stream tokens. Calls / messages / K/V tokens received: per
+rank per forward for a ring over that layout (doc_geometry.step_calls / send_ranges), the
+busiest rank's count; the per-document head-tail layout is not expressible as equal chunks, so
+it has none. The layout is balanced for causal attention; the same shards also serve Gemma2's
+sliding-window layers, whose balance (window (4095, 0)) is reported separately.
 
 Mixes (seeded): long-tail (log-uniform lengths 16..32K), short (uniform 64..2K), a single
 document, and long-tail filling 97 % of the stream (3 % tail padding).
@@ -40,6 +42,7 @@ from cp_softcap.documents import (CHUNK_CHOICES, PackedLayout, assign_chunks, ch
                                   packed_layout, padded_len)
 
 CAUSAL = (None, 0)
+LOCAL = (4095, 0)           # Gemma2's sliding-window layers, run on the causal-balanced layout
 
 
 def mix(kind: str, total: int, seed: int):
@@ -76,12 +79,21 @@ def fixed_layout(cu, total, cp, chunks_per_rank=None, chunks=None, window=CAUSAL
 
 
 def ring_counts(layout: PackedLayout, window=CAUSAL):
-    """(busiest rank's kernel calls, busiest rank's messages received) for one ring forward."""
-    calls, msgs = [], []
+    """(busiest rank's kernel calls, messages received, K/V tokens received as a fraction of
+    the stream) for one ring forward."""
+    calls, msgs, keys = [], [], []
     for rq in range(layout.cp):
         calls.append(sum(len(step_calls(layout, rq, rk, window)) for rk in range(layout.cp)))
-        msgs.append(sum(1 for rk in range(layout.cp) if rk != rq and send_ranges(layout, rq, rk, window)))
-    return max(calls), max(msgs)
+        sent = [send_ranges(layout, rq, rk, window) for rk in range(layout.cp) if rk != rq]
+        msgs.append(sum(1 for r in sent if r))
+        keys.append(sum(b - a for r in sent for a, b in r))
+    return max(calls), max(msgs), max(keys) / layout.seq_len
+
+
+def window_ratio(layout: PackedLayout, window) -> float:
+    """busiest/mean area of `layout` (balanced for causal) on a sliding-window layer."""
+    areas = chunk_areas(layout.cu_seqlens, layout.seq_len, layout.cp * layout.chunks_per_rank, window)
+    return ratio([sum(areas[c] for c in h) for h in layout.chunks])
 
 
 def head_tail(cu, cp):
@@ -110,21 +122,24 @@ def measure(kind, total, cp, seed, with_counts=True):
     rec["packed"] = ours.imbalance
     rec["packed_m"] = ours.chunks_per_rank
     rec["packed_pad_pct"] = 100.0 * (ours.seq_len - total) / total
+    rec["packed_w4095"] = window_ratio(ours, LOCAL)
     if with_counts:
-        rec["packed_calls"], rec["packed_msgs"] = ring_counts(ours)
+        rec["packed_calls"], rec["packed_msgs"], rec["packed_keys"] = ring_counts(ours)
+        rec["packed_w4095_calls"], _, rec["packed_w4095_keys"] = ring_counts(ours, LOCAL)
     for m in CHUNK_CHOICES:
         lay = fixed_layout(cu, total, cp, chunks_per_rank=m)
         rec[f"packed_m{m}"] = lay.imbalance
         if with_counts:
-            rec[f"packed_m{m}_calls"], rec[f"packed_m{m}_msgs"] = ring_counts(lay)
+            rec[f"packed_m{m}_calls"], rec[f"packed_m{m}_msgs"], _ = ring_counts(lay)
     zig = fixed_layout(cu, total, cp, chunks=tuple((r, 2 * cp - 1 - r) for r in range(cp)))
     rec["zigzag"] = zig.imbalance
     rec["zigzag_pad_pct"] = 100.0 * (zig.seq_len - total) / total
     cont = fixed_layout(cu, total, cp, chunks=tuple((r,) for r in range(cp)))
     rec["contiguous"] = cont.imbalance
+    rec["zigzag_w4095"] = window_ratio(zig, LOCAL)
     if with_counts:
-        rec["zigzag_calls"], rec["zigzag_msgs"] = ring_counts(zig)
-        rec["contiguous_calls"], rec["contiguous_msgs"] = ring_counts(cont)
+        rec["zigzag_calls"], rec["zigzag_msgs"], rec["zigzag_keys"] = ring_counts(zig)
+        rec["contiguous_calls"], rec["contiguous_msgs"], _ = ring_counts(cont)
     rec["head_tail"], pad = head_tail(cu, cp)
     rec["head_tail_pad_pct"] = 100.0 * pad / total
     return rec
@@ -170,6 +185,14 @@ def main(argv=None):
     mlines = [["mix", "cp"] + [f"m={m}: ratio, calls, msgs" for m in CHUNK_CHOICES]] + [
         [r["mix"], r["cp"]] + [f"{r[f'packed_m{m}']:.3f}, {r[f'packed_m{m}_calls']}, {r[f'packed_m{m}_msgs']}"
                                for m in CHUNK_CHOICES] for r in rows]
+    wlines = [["mix", "cp", "window 4095: packed", "zigzag", "K/V received causal: packed", "zigzag",
+               "window 4095: packed", "calls w4095"]] + [
+        [r["mix"], r["cp"], f"{r['packed_w4095']:.3f}", f"{r['zigzag_w4095']:.3f}",
+         f"{r['packed_keys']:.3f}", f"{r['zigzag_keys']:.3f}", f"{r['packed_w4095_keys']:.3f}",
+         r["packed_w4095_calls"]] for r in rows]
+    print("\nsliding-window layers (4095, 0) on the same layouts (busiest/mean), and the busiest rank's "
+          "K/V tokens received per ring forward (fraction of the stream)")
+    print(table(wlines))
     print("\nfixed chunks per rank m (busiest/mean, busiest rank's calls and messages per ring forward)")
     print(table(mlines))
     out = out_dir_for(args.out_dir, args.dry_run)
