@@ -1,13 +1,14 @@
 """Bytes sent per rank per attention layer, forward and backward, counted by the comm layer.
 
     python benchmarks/comm_bytes.py            # Gemma2-9B shapes, S = 32K and 128K, cp = 8 (CPU, gloo)
-    python benchmarks/comm_bytes.py --quick    # tiny shapes, checks the script only (~1 min)
+    python benchmarks/comm_bytes.py --quick    # tiny shapes, checks the script only (~1 min);
+                                               # writes into $OUT or a new temporary folder
 
 Spawns 8 gloo ranks on CPU (file rendezvous, one thread each), builds Gemma2-9B attention
 shards (B = 1, Hq = 16, Hkv = 8, D = 256, bf16, softcap 50) for causal and window (4095, 0) and
 runs `cps.cp_attention` forward and backward for comm = ring, all_gather, a2a and a2a+p2p (inner
 a2a groups of 2 and 4 from `cps.make_hybrid_groups`), each pass under its own
-`cp_softcap.comm.counting()`. Every rank returns its ByteCounter.sent (bytes per op name); the
+`cp_softcap.transport.counting()`. Every rank returns its ByteCounter.sent (bytes per op name); the
 table shows the busiest rank (largest fwd+bwd) and the mean over ranks, next to the analytical
 `cp_softcap.cp.auto.bytes_per_rank` (the busiest rank's total; a2a+p2p via a2a_size=), and
 checks every op of every rank, fwd and bwd, against `cp_softcap.cp.auto.sent_per_rank`.
@@ -30,7 +31,8 @@ KV heads when Hkv % cp != 0, so halving the heads would change what is sent. The
 verified on 32K, measured at both D = 256 and D = 256 / f: every op of every rank must match
 exactly, else the script fails.
 
-Writes benchmarks/results/comm_bytes.json and comm_bytes.png.
+Writes benchmarks/results/comm_bytes.json and comm_bytes.png (--quick: into $OUT or a new temporary
+folder, never into the tracked results).
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._util import RESULTS, launch_ranks, save, table  # noqa: E402
+from benchmarks._util import OUT_DIR_HELP, launch_ranks, out_dir_for, save, table  # noqa: E402
 from benchmarks.plots import plot_json  # noqa: E402
 
 MiB = 2 ** 20
@@ -92,9 +94,9 @@ def _make_standin():
 
 def _install_standin(kernel):
     """Make every module-level binding of cp_softcap.selector.select return the stand-in.
-    Returns the patched module names (dispatch imports `select` by name)."""
+    Returns the patched module names (plan imports `select` by name)."""
     import cp_softcap
-    import cp_softcap.cp.dispatch  # noqa: F401  (load the CP path so its binding is patched too)
+    import cp_softcap.plan  # noqa: F401  (load the CP path so its binding is patched too)
     import cp_softcap.selector as selector
     original = selector.select
 
@@ -115,7 +117,7 @@ def _rank_main(rank, world, configs):
     """One gloo rank (started by launch_ranks): every config's fwd/bwd bytes sent by this rank."""
     import torch.distributed as dist
     import cp_softcap as cps
-    from cp_softcap.comm import counting
+    from cp_softcap.transport import counting
     kernel = _make_standin()
     patched = _install_standin(kernel)
     hybrid = {a: cps.make_hybrid_groups(dist.group.WORLD, a) for a in (2, 4)}   # collective
@@ -209,8 +211,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny S (check the script, ~1 min)")
     ap.add_argument("--scale", type=int, default=8, help="head-dim divisor f for the 128K runs")
-    ap.add_argument("--out-dir", default=RESULTS)
+    ap.add_argument("--out-dir", default=None, help=OUT_DIR_HELP.replace("a dry run", "--quick"))
     a = ap.parse_args()
+    a.out_dir = out_dir_for(a.out_dir, dry=a.quick)
     seqs = (1024, 4096) if a.quick else (32768, 131072)
     s_small, s_big = seqs
     f = a.scale
@@ -340,7 +343,7 @@ def main():
         print("\nmeasured == analytical for every row: the busiest rank's total, and every op of every "
               "rank (fwd and bwd) against sent_per_rank")
     meta = {"what": "bytes sent per rank per attention layer (forward, backward), counted by "
-                    "cp_softcap.comm.counting() around cps.cp_attention forward and .backward()",
+                    "cp_softcap.transport.counting() around cps.cp_attention forward and .backward()",
             "host": "CPU only, 8 gloo ranks (one process, one thread each), file rendezvous",
             "shapes": {"B": 1, "Hq": HQ, "Hkv": HKV, "D": D_REAL, "dtype": "bfloat16", "softcap": SOFTCAP,
                        "cp": CP, "S": list(seqs)},

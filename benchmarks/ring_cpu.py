@@ -1,7 +1,8 @@
 """Ring CP on CPU with the `torch` kernel: framework overhead and forward peak memory (issue 3).
 
     python benchmarks/ring_cpu.py            # full run (cp 2 and 4, local 256 and 1024 tokens)
-    python benchmarks/ring_cpu.py --quick    # cp 2 and 4, local 256 tokens, < 60 s
+    python benchmarks/ring_cpu.py --quick    # cp 2 and 4, local 256 tokens, < 60 s; writes into
+                                             # $OUT or a new temporary folder
 
 Each cp size is one launch of cp processes (gloo, file rendezvous, one thread per rank, rank r
 pinned to core r % ncores). Only public entry points are used: cps.cp_attention for the ring,
@@ -46,7 +47,7 @@ import time
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import launch_ranks, save, table  # noqa: E402
+from _util import OUT_DIR_HELP, launch_ranks, out_dir_for, save, table  # noqa: E402
 from plots import plot_json  # noqa: E402
 
 HQ, HKV, D, B, CAP = 8, 4, 64, 1, 50.0
@@ -406,7 +407,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="local 256 tokens only, fewer reps")
     ap.add_argument("--cp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--name", default="ring_cpu")
+    ap.add_argument("--out-dir", default=None, help=OUT_DIR_HELP.replace("a dry run", "--quick"))
     args = ap.parse_args()
+    args.out_dir = out_dir_for(args.out_dir, dry=args.quick)
     if args.quick:
         shapes = [(256, ("fwd", "fwd+bwd"))]
         reps = {(256, "fwd"): 3, (256, "fwd+bwd"): 2}
@@ -437,7 +440,7 @@ def main():
                                      text=True, cwd=os.path.dirname(__file__)).stdout.strip()
     except Exception:
         pass
-    path = save(args.name, timing + memory, meta)
+    path = save(args.name, timing + memory, meta, args.out_dir)
 
     pct = lambda x: "n/a" if x is None else f"{100 * x:+.1f}%"  # noqa: E731
     rows = [["cp", "S_loc", "mode", "rank", "steps", "ring ms", "per-step ref ms", "ovh",
