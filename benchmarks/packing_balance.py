@@ -29,6 +29,7 @@ Writes <out>/packing_balance.json and packing_balance.png (benchmarks/results/ f
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
@@ -157,6 +158,18 @@ def summarize(records):
     return [rows[k] for k in sorted(rows, key=lambda k: (k[0], k[1]))]
 
 
+def plot(blob, png: str) -> None:
+    """Bar chart of the busiest/mean area per (mix, cp) and layout, from the JSON's rows."""
+    rows = blob["meta"]["rows"]
+    labels = [f"{r['mix']} cp{r['cp']}" for r in rows]
+    series = {name: [min(r[key], 4.0) for r in rows] for name, key in
+              (("packed (library)", "packed"), ("zigzag", "zigzag"), ("per-doc head-tail", "head_tail"),
+               ("contiguous", "contiguous"))}
+    bar_plot(png, labels, series, "busiest rank area / mean (clipped at 4)",
+             f"packed documents, {blob['meta']['tokens'] // 1024}K tokens, causal: load balance",
+             hline=1.10)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny stream (8K), cp 2/4, one seed")
@@ -199,14 +212,8 @@ def main(argv=None):
     meta = {"tokens": total, "cps": list(cps), "seeds": seeds, "window": "causal",
             "dry_run": args.dry_run, "summary": "worst over seeds per (mix, cp)"}
     path = save("packing_balance", records, {**meta, "rows": rows}, out_dir=out)
-    labels = [f"{r['mix']} cp{r['cp']}" for r in rows]
-    series = {name: [r[key] for r in rows] for name, key in
-              (("packed (library)", "packed"), ("zigzag", "zigzag"), ("per-doc head-tail", "head_tail"),
-               ("contiguous", "contiguous"))}
-    bar_plot(os.path.join(out, "packing_balance.png"), labels,
-             {k: [min(v, 4.0) for v in vals] for k, vals in series.items()},
-             "busiest rank area / mean (clipped at 4)",
-             f"packed documents, {total // 1024}K tokens, causal: load balance", hline=1.10)
+    with open(path) as f:
+        plot(json.load(f), os.path.join(out, "packing_balance.png"))
     print(f"\nwrote {path}")
     worst = max(r["packed"] for r in rows)
     if not math.isfinite(worst):
