@@ -28,8 +28,8 @@ def _logits(h: torch.Tensor, w: torch.Tensor, cap: Optional[float]):
     z = torch.nn.functional.linear(h, w.to(h.dtype)).float()
     if cap is None:
         return z, None
-    t = torch.tanh(z / cap)
-    return cap * t, t
+    t = z.div_(cap).tanh_()          # in place: one slice-sized buffer fewer
+    return t * cap, t
 
 
 def _slices(n: int, chunk: int):
@@ -41,7 +41,7 @@ class _SoftcapCE(torch.autograd.Function):
     def forward(ctx, h, w, labels, cap, chunk):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for s, e in _slices(h.shape[0], chunk):
-            z, _ = _logits(h[s:e], w, cap)
+            z = _logits(h[s:e], w, cap)[0]
             lab = labels[s:e]
             valid = lab != IGNORE
             picked = z.gather(1, lab.clamp_min(0)[:, None])[:, 0]
@@ -63,11 +63,13 @@ class _SoftcapCE(torch.autograd.Function):
             lab = labels[s:e]
             valid = lab != IGNORE
             dz = torch.softmax(z, dim=1)                      # d(lse - z[label]) / dz
+            del z
             rows = valid.nonzero()[:, 0]
             dz[rows, lab[rows]] -= 1.0
             dz *= (valid.float() * g)[:, None]
             if t is not None:                                 # through cap * tanh(x / cap)
-                dz *= 1.0 - t * t
+                dz *= t.mul_(t).neg_().add_(1.0)
+                del t
             dh[s:e] = (dz.to(h.dtype) @ wf).to(h.dtype)
             dw += dz.t() @ h[s:e].float()
         return dh, dw.to(w.dtype), None, None, None

@@ -62,30 +62,50 @@ def _halves(cfg, act: int) -> Tuple[int, int]:
     return 18 * h + 8 * q + 8 * kv + lse, 18 * h + 8 * i
 
 
+def _kernel_scratch(job: Job, queries: int, keys: int, heads: int) -> int:
+    """One kernel call's working memory. GPU kernels (flash-attn, FlexAttention) tile scores on
+    chip: float32 output and LSE partials only. On CPU the pure-PyTorch kernel works on score
+    blocks of up to 1024 x 1024 (halved until one holds at most 2**23 entries) and holds about
+    five float32 block-sized temporaries, six and a half once the blocks had to be halved
+    (measured with memcheck.py at cp 1, 2 for every comm)."""
+    c = job.cfg
+    partials = job.batch * heads * queries * (c.head_dim + 1) * 4
+    if job.device_type == "cuda":
+        return 2 * partials
+    block = job.batch * heads * min(queries, 1024) * min(keys, 1024)
+    temporaries = 5.0 if block <= 1 << 23 else 6.5
+    return int(temporaries * min(block, 1 << 23) * 4) + partials
+
+
 def _attention_buffers(job: Job, act: int) -> int:
     """Bytes one CPAttention call holds beyond its saved tensors (forward or backward)."""
     c = job.cfg
     t, s = job.tokens, job.seq_len
     kv = c.num_key_value_heads * c.head_dim
     q = c.num_attention_heads * c.head_dim
+    local = s // job.cp
     if job.cp == 1:
-        return 0
+        return _kernel_scratch(job, s, s, c.num_attention_heads)
     comm = "ring" if job.comm == "auto" else job.comm
     if comm in ("ring", "a2a+p2p"):
         block = int(os.environ.get("CP_SOFTCAP_RING_BLOCK_KEYS", RING_BLOCK_KEYS))
-        keys = job.batch * max(s // job.cp, min(block, s - s // job.cp))
-        return 2 * (2 * keys * kv * act) + 2 * keys * kv * 4      # 2 K/V blocks + float32 dK/dV
-    if comm == "all_gather":
-        return job.batch * s * kv * 2 * (act + 4)                # full K/V + float32 dK/dV
-    kv_heads = max(c.num_key_value_heads, job.cp)                # a2a replicates KV heads < cp
-    return 2 * t * (2 * q + 2 * kv_heads * c.head_dim) * act     # resharded q/k/v/out and grads
+        keys = max(local, min(block, s - local))                 # per sequence
+        blocks = 2 * (2 * job.batch * keys * kv * act) + 2 * job.batch * keys * kv * 4
+        return blocks + _kernel_scratch(job, local, keys, c.num_attention_heads)   # + dK/dV
+    if comm == "all_gather":                                     # full K/V + float32 dK/dV
+        # each of the two zigzag chunks is one call against the gathered keys
+        return job.batch * s * kv * 2 * (act + 4) + _kernel_scratch(job, local // 2, s, c.num_attention_heads)
+    heads = c.num_attention_heads // job.cp                      # a2a: all keys, heads / cp
+    kv_heads = max(c.num_key_value_heads, job.cp)                # KV heads < cp are replicated
+    reshard = 2 * t * (2 * q + 2 * kv_heads * c.head_dim) * act  # q/k/v/out and their grads
+    return reshard + _kernel_scratch(job, s, s, heads)
 
 
 def _loss_buffers(job: Job, act: int) -> int:
     from .loss import default_chunk
     v, h = job.cfg.vocab_size, job.cfg.hidden_size
     chunk = min(job.tokens, job.loss_chunk or default_chunk(v))
-    return 4 * chunk * v * 4 + 4 * v * h + (2 * v * h if act == 2 else 0)
+    return 3 * chunk * v * 4 + 4 * v * h + (2 * v * h if act == 2 else 0)
 
 
 def estimate(job: Job) -> List[Tuple[str, int]]:
@@ -117,7 +137,12 @@ def estimate(job: Job) -> List[Tuple[str, int]]:
         end = [("gradients (float32) + all-reduce buffer", 8 * total)]
     rows = [(f"{name} [step]", b) for name, b in during] + [(f"{name} [end]", b) for name, b in end]
     static = sum(b for _, b in base)
-    step = sum(b for _, b in during)
+    # the loss runs after the last layer's forward and before the first layer's backward, so its
+    # slices never coexist with a layer's attention buffers or recomputed activations
+    held = {name: b for name, b in during}
+    loss = held.pop("loss slices + tied-embedding gradient")
+    layer = sum(b for name, b in held.items() if name.startswith(("attention", "activations of one")))
+    step = sum(held.values()) - layer + max(loss, layer)
     return base + rows + [("peak = parameters + optimizer + max([step], [end])",
                            static + max(step, end[0][1]))]
 

@@ -1,0 +1,106 @@
+"""Measure what memory.py estimates: one training step's peak tensor memory per rank against the
+plan, with train.py's flags (plus --vocab to widen the tiny config's vocabulary, and
+--layers-ac to try a per-layer AC pattern such as full,none = every other layer).
+
+    torchrun --nproc-per-node 2 examples/gemma2/memcheck.py --config tiny --seq-len 1024 --ac full
+    python examples/gemma2/memcheck.py --loss-only      # chunked vs full-logits cross-entropy
+
+The step measured is the second one (AdamW's state exists from the first); on CPU the peak comes
+from torch.profiler's allocation records (measure.py), so it counts tensors only.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gemma2 import flags, memory, parallel, train  # noqa: E402
+from gemma2.measure import peak_bytes, tensor_bytes  # noqa: E402
+
+
+def _extra(argv):
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--layers-ac", help="comma-separated per-layer AC, repeated over the layers")
+    p.add_argument("--loss-only", action="store_true")
+    p.add_argument("--json", help="append the result as one JSON line here (rank 0)")
+    return p.parse_known_args(argv)
+
+
+def step_peak(argv) -> dict:
+    extra, rest = _extra(argv)
+    args, cfg, world = flags.parse(rest, __doc__)
+    if extra.vocab:
+        cfg = dataclasses.replace(cfg, vocab_size=extra.vocab)
+    job = dataclasses.replace(train.plan_job(args, cfg, world), cfg=cfg)
+    d = parallel.init(args.cp, args.device)
+    model, opt, tokens = train.build(args, cfg, d)
+    if extra.layers_ac:
+        pattern = extra.layers_ac.split(",")
+        for i, layer in enumerate(model.model.layers):
+            layer.ac = {"selective": "mlp"}.get(pattern[i % len(pattern)], pattern[i % len(pattern)])
+    autocast = torch.autocast(d.device.type, enabled=job.dtype != "float32", dtype=getattr(torch, job.dtype))
+    train.train_step(model, opt, tokens, 0, args, cfg, d, autocast)
+    base = tensor_bytes(list(model.parameters()) + [t for s in opt.state.values() for t in s.values()])
+    peak = peak_bytes(lambda: train.train_step(model, opt, tokens, 1, args, cfg, d, autocast), d.device, base)
+    times = []
+    for step in (2, 3):                     # unprofiled, after the warm-up steps
+        t0 = time.perf_counter()
+        train.train_step(model, opt, tokens, step, args, cfg, d, autocast)
+        times.append(time.perf_counter() - t0)
+    worst = torch.tensor([peak], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    est = memory.peak(job)
+    dist.destroy_process_group()
+    return {"flags": " ".join(rest), "layers_ac": extra.layers_ac, "vocab": cfg.vocab_size,
+            "measured_mib": worst.item() / 2**20, "estimated_mib": est / 2**20,
+            "estimate_over_measured": est / worst.item(), "step_s": min(times)}
+
+
+def loss_peak(tokens: int = 512, hidden: int = 256, vocab: int = 256000) -> dict:
+    """The loss alone at Gemma2's vocabulary: full float32 logits vs 256 MiB slices."""
+    import torch.nn.functional as F
+    from gemma2.loss import softcap_cross_entropy_sum
+
+    h = torch.randn(tokens, hidden, requires_grad=True)
+    w = (torch.randn(vocab, hidden) * 0.05).requires_grad_()
+    lab = torch.randint(0, vocab, (tokens,))
+
+    def full():
+        F.cross_entropy((30 * torch.tanh(F.linear(h, w) / 30)).float(), lab, reduction="sum").backward()
+
+    def chunked():
+        softcap_cross_entropy_sum(h, w, lab, 30.0).backward()
+
+    cpu, base = torch.device("cpu"), tensor_bytes([h, w])
+    out = {"tokens": tokens, "hidden": hidden, "vocab": vocab}
+    for name, fn in (("full", full), ("chunked", chunked)):
+        h.grad = w.grad = None
+        t0 = time.perf_counter()
+        out[f"{name}_peak_mib"] = peak_bytes(fn, cpu, base) / 2**20
+        out[f"{name}_s"] = time.perf_counter() - t0
+    return out
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    extra, _ = _extra(argv)
+    result = loss_peak() if extra.loss_only else step_peak(argv)
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps(result), flush=True)
+        if extra.json:
+            with open(extra.json, "a") as f:
+                f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
