@@ -289,3 +289,66 @@ def stream_calls(cu: Tuple[int, ...], seq_len: int, window: Window) -> Tuple[Doc
     """Calls for a whole stream on one device (cps.attention, a2a after its all-to-all, in
     global order): rows and keys are global positions; tokens past cu[-1] are in no call."""
     return run_calls(cu, ((0, seq_len, 0),), ((0, seq_len, 0),), window)
+
+
+# --------------------------------------------------------------------------- ring blocks
+
+@dataclass(frozen=True)
+class DocSlot:
+    """Rank `src`'s local key ranges `ranges` (its send_ranges towards this rank), received at
+    ring step `step`, stored back to back from offset `off` of the block's K/V buffers."""
+    step: int
+    src: int
+    ranges: Tuple[Tuple[int, int], ...]
+    off: int
+
+    @property
+    def size(self) -> int:
+        return sum(b - a for a, b in self.ranges)
+
+
+@lru_cache(maxsize=4096)
+def block_plan(layout: PackedLayout, rank: Ranks, window: Window, steps: Tuple[int, ...],
+               ring: Tuple[Ranks, ...] = ()) -> Tuple[Tuple[DocSlot, ...], Tuple[DocCall, ...]]:
+    """The slots and calls of one ring block (consecutive steps received together), as
+    layout.block_plan for zigzag: calls are in block-buffer key coordinates; fully visible
+    one-segment calls over the same rows with adjacent keys are joined into one call.
+
+    `ring` lists the ring members (default: the cp ranks); `rank` is a member and step s
+    receives from ring[(i - s) % n] where i is rank's position."""
+    members = ring or tuple(range(layout.cp))
+    i, n = members.index(rank), len(members)
+    slots, calls, off = [], [], 0
+    for s in steps:
+        src = members[(i - s) % n]
+        ranges, step_calls_ = recv_calls(layout, rank, src, window)
+        if ranges:
+            slot = DocSlot(s, src, ranges, off)
+            slots.append(slot)
+            calls.extend(c.shifted(dk=off) for c in step_calls_)
+            off += slot.size
+    return tuple(slots), _join_full(calls)
+
+
+def _join_full(calls) -> Tuple[DocCall, ...]:
+    """Join fully visible one-segment calls over the same rows whose keys are adjacent (the same
+    long document seen through consecutive slots): softmax over a union of fully visible key
+    sets does not depend on how it is split."""
+    full = sorted((c for c in calls if c.full and c.segments == 1), key=lambda c: (c.q0, c.q1, c.k0))
+    joined = []
+    for c in full:
+        p = joined[-1] if joined else None
+        if p is not None and (p.q0, p.q1) == (c.q0, c.q1) and p.k1 == c.k0:
+            joined[-1] = DocCall(p.q0, p.q1, p.k0, c.k1, (None, None), (0, p.q1 - p.q0), (0, c.k1 - p.k0))
+        else:
+            joined.append(c)
+    return tuple(joined) + tuple(c for c in calls if not (c.full and c.segments == 1))
+
+
+@lru_cache(maxsize=4096)
+def block_exclusive(layout: PackedLayout, rank: Ranks, window: Window, steps: Tuple[int, ...],
+                    ring: Tuple[Ranks, ...] = ()) -> bool:
+    """True when no key of the block's buffer is read by two calls: each key's dK/dV is then ONE
+    kernel partial and may travel back in the kernel's own dtype (as layout.block_exclusive)."""
+    spans = sorted((c.k0, c.k1) for c in block_plan(layout, rank, window, steps, ring)[1])
+    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))

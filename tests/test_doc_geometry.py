@@ -14,8 +14,9 @@ from collections import Counter
 import pytest
 import torch
 
-from cp_softcap.doc_geometry import (DocCall, gathered_calls, peers, recv_calls, send_ranges,
-                                     step_calls, stream_calls, visibility_mask)
+from cp_softcap.doc_geometry import (DocCall, block_exclusive, block_plan, gathered_calls, peers,
+                                     recv_calls, send_ranges, step_calls, stream_calls,
+                                     visibility_mask)
 from cp_softcap.documents import doc_of, packed_layout
 from cp_softcap.spec import normalize_window
 
@@ -220,3 +221,43 @@ def test_stream_index_round_trip():
     y = torch.empty_like(local)
     y[:, idx] = local
     assert torch.equal(y, x) and torch.equal(y[:, idx], local)
+
+
+def block_splits(n: int):
+    """Ways the ring may group steps 1..n-1 into consecutive blocks: one per step, all in one,
+    and pairs."""
+    steps = list(range(1, n))
+    return [[(s,) for s in steps], [tuple(steps)] if steps else [], [tuple(steps[i:i + 2]) for i in range(0, len(steps), 2)]]
+
+
+@pytest.mark.parametrize("cp, size", [(1, 1), (2, 1), (3, 1), (5, 1), (4, 2), (6, 2)])
+def test_ring_blocks_cover_exactly(cp, size):
+    """Self step + every block's calls (block_plan, buffer coordinates) cover each member's
+    visible pairs exactly once; each slot holds exactly what its source sends; block_exclusive
+    is exactly 'no buffer key read by two calls'. size > 1: a ring of a2a groups."""
+    rng = random.Random(50 + cp * size)
+    cu, total = random_docs(rng, cp)
+    layout = packed_layout(cu, total, cp)
+    ring = tuple(tuple(range(g * size, (g + 1) * size)) if size > 1 else g for g in range(cp // size))
+    pos = {m: [t for r in ((m,) if isinstance(m, int) else m) for t in layout.index(r).tolist()] for m in ring}
+    for window in [(None, 0), (3, 0), (None, None), (1, 2)]:
+        for blocks in block_splits(len(ring)):
+            for i, me in enumerate(ring):
+                pairs = Counter()
+                check_calls(layout.cu_seqlens, step_calls(layout, me, me, window), pos[me], pos[me], window, pairs)
+                for steps in blocks:
+                    slots, calls = block_plan(layout, me, window, steps, ring if size > 1 else ())
+                    buf, off = [], 0
+                    for slot in slots:
+                        assert slot.off == off and slot.ranges
+                        assert slot.ranges == send_ranges(layout, me, slot.src, window)
+                        assert slot.src == ring[(i - slot.step) % len(ring)]
+                        buf += [k for a, b in slot.ranges for k in pos[slot.src][a:b]]
+                        off += slot.size
+                    check_calls(layout.cu_seqlens, calls, pos[me], buf, window, pairs)
+                    reads = Counter(j for c in calls for j in range(c.k0, c.k1))
+                    assert set(reads) == set(range(off)), "a key travels that no call reads"
+                    assert block_exclusive(layout, me, window, steps, ring if size > 1 else ()) == all(
+                        n == 1 for n in reads.values())
+                want = expected(layout.cu_seqlens, pos[me], layout.seq_len, window)
+                assert_exact(pairs, want, f"member {me} blocks {blocks} window {window}")
