@@ -13,8 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .spec import Window
-from .kernels.base import grad_dtype
+from .spec import Window, grad_dtype
 
 _NEG_INF = float("-inf")
 

@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .kernels.base import grad_dtype
+from .spec import grad_dtype
 
 
 def clean_lse(lse: torch.Tensor) -> torch.Tensor:

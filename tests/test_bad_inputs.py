@@ -16,7 +16,7 @@ import torch
 import cp_softcap as cps
 from cp_softcap import sharding
 from cp_softcap.reference import reference_attention
-from cp_softcap.select import main as select_main
+from cp_softcap.cli import main as select_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -236,7 +236,7 @@ MATRIX = [
     ("cli-window-negative", lambda: cli("--window", "-5", "0"), 2, r"window left side.*-5"),
     ("cli-window-word", lambda: cli("--window", "abc", "0"), 2, r"invalid _window_side value: 'abc'"),
     ("cli-cp-0", lambda: cli("--cp", "0"), 2, r"cp_size must be a positive int, got 0"),
-    ("cli-comm-unknown", lambda: cli("--comm", "nccl"), 2, r"comm must be one of.*'nccl'"),
+    ("cli-comm-unknown", lambda: cli("--comm", "nccl"), 2, r"invalid choice: 'nccl'.*choose from.*ring"),
     ("cli-dtype-unknown", lambda: cli("--dtype", "int8"), 2, r"invalid choice: 'int8'"),
     ("cli-head-dim-0", lambda: cli("--head-dim", "0"), 2, r"head_dim=0"),
     ("cli-ok", lambda: cli("--softcap", "50", "--cp", "2", "--device", "cpu", "--dtype", "fp32",

@@ -137,7 +137,7 @@ def test_describe_shows_hybrid_but_auto_does_not_pick_it():
 
 
 def test_select_cli_seq_len(capsys):
-    from cp_softcap.select import main
+    from cp_softcap.cli import main
     args = ["--softcap", "50", "--head-dim", "256", "--heads", "16", "--kv-heads", "8", "--cp", "8",
             "--device", "cpu", "--causal", "--window", "4095", "0", "--seq-len", "131072"]
     assert main(args + ["--a2a-size", "2"]) == 0

@@ -11,7 +11,7 @@ import torch
 from cp_softcap import selector
 from cp_softcap.kernels import KERNEL_NAMES, get_kernel
 from cp_softcap.kernels.base import Capabilities, Kernel
-from cp_softcap.select import main as cli_main
+from cp_softcap.cli import main as cli_main
 from cp_softcap.selector import RULES, clear_cache, rejection, select
 from cp_softcap.spec import make_spec
 
@@ -295,20 +295,21 @@ def test_cli_bad_argument_exits_2(capsys):
 
 
 def test_cli_as_module():
-    ok = subprocess.run([sys.executable, "-m", "cp_softcap.select", "--softcap", "30", "--device", "cpu",
+    ok = subprocess.run([sys.executable, "-m", "cp_softcap", "--softcap", "30", "--device", "cpu",
                          "--dtype", "fp32"], capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "torch   CHOSEN" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "cp_softcap.select", "--softcap", "nan", "--device", "cpu"],
+    bad = subprocess.run([sys.executable, "-m", "cp_softcap", "--softcap", "nan", "--device", "cpu"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "nan" in bad.stderr
 
 
-def test_cps_select_survives_importing_the_cli():
-    """`import cp_softcap.select` rebinds cps.select to the CLI module; it must stay callable."""
-    import importlib
-
-    import cp_softcap as cps
-    importlib.import_module("cp_softcap.select")
-    assert cps.select(spec(softcap=50.0)).name == "torch"
-    assert cps.select(spec(), "torch").forced
+def test_cli_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: None)", "(default: 128)", "(default: 16)", "(default: bf16)",
+                    "(default: True)", "(default: 1)", "(default: ring)", "(default: auto)"):
+        assert default in text, default
+    assert text.count("(default:") >= 13, text

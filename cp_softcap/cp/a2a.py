@@ -27,7 +27,7 @@ from typing import List, Sequence
 import torch
 import torch.distributed as dist
 
-from ..kernels.base import grad_dtype
+from ..spec import grad_dtype
 from ..transport import all_to_all
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.base import grad_dtype
 from ..layout import plan_pair
+from ..spec import grad_dtype
 from ..transport import all_gather, reduce_scatter, wait
 from .grad_accum import GradAccumulator
 from .packing import pack, unpack

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.base import grad_dtype
 from ..layout import block_exclusive, block_plan, key_range, plan_step
 from ..merge import merge_into, new_accumulator
+from ..spec import grad_dtype
 from ..transport import Exchange
 from .grad_accum import GradAccumulator
 

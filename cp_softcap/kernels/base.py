@@ -39,7 +39,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..spec import AttnSpec, Window
+from ..spec import AttnSpec, Window, grad_dtype
 
 FULL: Window = (None, None)
 CAUSAL: Window = (None, 0)
@@ -92,11 +92,6 @@ class Kernel:
         """Once per backward over many chunk pairs of the same rows: (dout, out, dlse) in the
         form backward() takes without per-call conversion. Default: unchanged."""
         return dout, out, dlse
-
-
-def grad_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype: float64 stays float64, everything else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def visible_mask(sq: int, sk: int, window: Window, device, q_start: int = 0, k_start: int = 0,

@@ -1,6 +1,6 @@
-"""`python -m cp_softcap.select ...`: print which kernel serves a spec and why every other one
-was rejected. Example:
-    python -m cp_softcap.select --softcap 50 --head-dim 256 --heads 16 --kv-heads 8 --cp 8 \
+"""`python -m cp_softcap ...` (console script `cp-softcap-select`): print which kernel serves a
+spec and why every other one was rejected. Example:
+    python -m cp_softcap --softcap 50 --head-dim 256 --heads 16 --kv-heads 8 --cp 8 \
         --device cuda --dtype bf16 --window 4095 0 --causal
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import torch
 
 from .selector import select
-from .spec import make_spec
+from .spec import COMM_TYPES, make_spec
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
            "fp64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -23,17 +23,21 @@ def _window_side(text: str):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cp_softcap.select", description=__doc__.split("\n")[0])
-    p.add_argument("--softcap", type=float, default=None, help="0 or absent = off")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--window", nargs=2, type=_window_side, metavar=("LEFT", "RIGHT"), default=None)
-    p.add_argument("--cp", type=int, default=1)
-    p.add_argument("--comm", default="ring")
+    p = argparse.ArgumentParser(prog="python -m cp_softcap", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--softcap", type=float, default=None, help="tanh cap; 0 or absent = off")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim of q/k and v")
+    p.add_argument("--heads", type=int, default=16, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (None: --heads)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="input dtype")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="device type (default: cuda where CUDA is available)")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
+                   help="causal attention, as the library's default")
+    p.add_argument("--window", nargs=2, type=_window_side, metavar=("LEFT", "RIGHT"), default=None,
+                   help="sliding window sides ('none' = unbounded)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    p.add_argument("--comm", choices=COMM_TYPES, default="ring", help="CP algorithm, as comm= does")
     p.add_argument("--no-backward", action="store_true", help="forward only (inference)")
     p.add_argument("--backend", default="auto", help="force a kernel, as backend= does")
     p.add_argument("--seq-len", type=int, default=None,
@@ -64,16 +68,5 @@ def main(argv=None) -> int:
     return 0
 
 
-class _CallableModule(type(sys)):
-    """Importing this CLI module (`import cp_softcap.select`, the console script) makes Python
-    rebind the package attribute `cp_softcap.select` from the selector function to this module.
-    Delegating calls keeps `cps.select(spec, backend)` working after that import."""
-
-    def __call__(self, *args, **kwargs):
-        return select(*args, **kwargs)
-
-
 if __name__ == "__main__":
     sys.exit(main())
-else:
-    sys.modules[__name__].__class__ = _CallableModule
