@@ -175,14 +175,16 @@ FULL = "full"                       # raw-window marker of a group fused from fu
 
 
 def _fuse(boxes) -> Tuple[DocCall, ...]:
-    """Boxes sorted by (q0, k0) -> calls. Three fusions, all exact:
+    """Boxes sorted by (q0, k0) -> calls. Four fusions, all exact:
     - fully visible single-document boxes over the same rows with adjacent keys become one full
       call over the joined keys (a long document seen through several earlier key runs);
     - such a full call absorbs the next box over the same rows with adjacent keys whose window
       has no left bound: bottom-right alignment keeps that box's keys where they were and the
       full keys before them stay visible (earlier runs + the causal diagonal = one call);
     - boxes adjacent in rows AND keys with the same raw local window become one call with one
-      segment each (the documents of a run)."""
+      segment each (the documents of a run);
+    - stacked one-segment calls (see _stack): a run's causal diagonal and the next run's call
+      over the same first key become one causal call (the zigzag self step is one call)."""
     groups = []
     for q0, q1, k0, k1, raw in boxes:
         full = _normalize(raw, (0, q1 - q0), (0, k1 - k0)) == (None, None)
@@ -200,9 +202,30 @@ def _fuse(boxes) -> Tuple[DocCall, ...]:
         else:
             groups.append({"q0": q0, "q1": q1, "k0": k0, "k1": k1, "raw": FULL if full else raw,
                            "cu_q": [0, q1 - q0], "cu_k": [0, k1 - k0]})
+    groups = _stack(groups)
     return tuple(DocCall(g["q0"], g["q1"], g["k0"], g["k1"],
                          (None, None) if g["raw"] == FULL else _normalize(g["raw"], g["cu_q"], g["cu_k"]),
                          tuple(g["cu_q"]), tuple(g["cu_k"])) for g in groups)
+
+
+def _stack(groups):
+    """Join consecutive one-segment groups g, h with h's rows right after g's, the same first
+    key, no left bound, g's last row seeing exactly up to g's last key (raw right 0, so g's rows
+    see none of h's further keys), h's right side bounded and h's keys reaching at least as
+    far: when both bottom-right diagonals are the same line (k1 - q1 + right equal), h's window
+    gives g's rows exactly the keys they saw."""
+    out = []
+    for h in groups:
+        g = out[-1] if out else None
+        if (g is not None and len(g["cu_q"]) == 2 and len(h["cu_q"]) == 2 and FULL not in (g["raw"], h["raw"])
+                and g["raw"][0] is None and h["raw"][0] is None and g["raw"][1] == 0 and h["raw"][1] is not None
+                and h["q0"] == g["q1"] and h["k0"] == g["k0"] and h["k1"] >= g["k1"]
+                and g["k1"] - g["q1"] + g["raw"][1] == h["k1"] - h["q1"] + h["raw"][1]):
+            g.update(q1=h["q1"], k1=h["k1"], raw=h["raw"], cu_q=[0, h["q1"] - g["q0"]],
+                     cu_k=[0, h["k1"] - g["k0"]])
+        else:
+            out.append(h)
+    return out
 
 
 # --------------------------------------------------------------------------- per pair of ranks
