@@ -5,11 +5,14 @@ the benchmark scripts (right after they write their JSON) and to redraw them all
     python benchmarks/plots.py path/to/x.json ...   # just these
 
 The kind of plot follows from the file name: kernels*, fa4_softcap*, cp_sim*, cp_multi*,
-comm_bytes*, ring_cpu*. JSON files whose records have no plot (profiles) are skipped.
+comm_bytes*, ring_cpu* are drawn here; results named after another benchmark script that
+defines `plot(blob, png)` (e.g. packing_balance) are drawn by that function. JSON files whose
+records have no plot (profiles) are skipped.
 """
 from __future__ import annotations
 
 import glob
+import importlib
 import json
 import os
 import statistics
@@ -94,17 +97,31 @@ PLOTS: Dict[str, Callable[[Dict, str], None]] = {
     "comm_bytes": _comm_bytes, "ring_cpu": _ring_cpu}
 
 
+def _script_plot(stem: str) -> Optional[Callable[[Dict, str], None]]:
+    """The `plot(blob, png)` of the benchmark script a result is named after (stem = the script's
+    name, optionally followed by _tag), if it defines one."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    names = [os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(here, "*.py"))]
+    for name in sorted((n for n in names if not n.startswith("_") and n != "plots"), key=len, reverse=True):
+        if stem == name or stem.startswith(name + "_"):
+            return getattr(importlib.import_module(f"benchmarks.{name}"), "plot", None)
+    return None
+
+
 def plot_json(path: str, png: Optional[str] = None) -> Optional[str]:
     """Draw the plot of one benchmark JSON next to it (or at `png`); returns the PNG path, or
     None for a file of no known kind or without plottable records (e.g. a profile)."""
     stem = os.path.splitext(os.path.basename(path))[0]
+    if stem.endswith("_profile"):
+        return None
     kind = next((k for k in sorted(PLOTS, key=len, reverse=True) if stem.startswith(k)), None)
-    if kind is None or stem.endswith("_profile"):
+    draw = PLOTS[kind] if kind is not None else _script_plot(stem)
+    if draw is None:
         return None
     with open(path) as f:
         blob = json.load(f)
     png = png or os.path.splitext(path)[0] + ".png"
-    PLOTS[kind](blob, png)
+    draw(blob, png)
     return png
 
 
