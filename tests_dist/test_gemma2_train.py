@@ -82,4 +82,20 @@ def test_two_nodes_over_c10d_loopback(tmp_path):
     assert "world 2 = dp 1 x cp 2" in text and "done: steps 1-3" in text, text[-3000:]
     rows = losses(metrics)
     assert [r[0] for r in rows] == [1, 2, 3] and all(r[1] == r[1] for r in rows)
+    for rec in map(json.loads, open(metrics)):     # torchtitan's columns; no MFU without a GPU
+        assert rec["mfu"] is None and rec["tokens_per_s_per_device"] > 0 and rec["tflops"] > 0
+        assert rec["memory_gib"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_bad_flags_fail_before_any_process_group_and_print_once():
+    p = L.start(L.torchrun_args(2) + [L.TRAIN, "--seq-len", "100", "--ac", "partial"])
+    try:
+        p.wait(timeout=50)
+    finally:
+        L.proctree.kill_tree(p)
+    out = L._read(p)
+    assert p.returncode != 0
+    assert out.count("invalid choice: 'partial'") == 1, out[-3000:]
+    assert "]:Traceback" not in out        # no worker raised (torchrun's own summary follows)
     assert os.path.isfile(tmp_path / "ckpt" / "step-3" / "COMPLETE")

@@ -1,0 +1,89 @@
+"""examples/gemma2 flags and memory plan, without any process group: --help shows every default
+and documents --keep; every bad flag is reported at once with the valid values, printed by rank 0
+only; --plan prints the per-rank plan for any world size and exits without initialising
+torch.distributed; a run that cannot fit is refused with flags that would fit."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+from gemma2 import flags, memory, train  # noqa: E402
+from gemma2.config import get_config  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+TRAIN = os.path.join(ROOT, "examples", "gemma2", "train.py")
+
+
+def test_help_shows_every_default():
+    p = flags.parser("")
+    text = " ".join(p.format_help().split())
+    for action in p._actions:
+        if action.option_strings and action.dest != "help":
+            shown = f"(default: {action.default})"
+            assert shown in text, (action.dest, shown)
+    assert "(default: 256)" in text and "complete checkpoints to keep" in text
+
+
+def _run(args, rank="0"):
+    env = dict(os.environ, RANK=rank, WORLD_SIZE="4", LOCAL_WORLD_SIZE="4")
+    return subprocess.run([sys.executable, TRAIN, *args], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_bad_flags_all_at_once_and_only_on_rank_0():
+    bad = ["--cp", "3", "--seq-len", "100", "--loss-chunk", "0", "--comm", "a2a"]
+    lead, other = _run(bad, "0"), _run(bad, "1")
+    assert lead.returncode == other.returncode == 2
+    assert other.stdout == other.stderr == ""
+    err = lead.stderr
+    assert "--loss-chunk must be >= 1, got 0" in err and "divisors: 1, 2, 4" in err
+    assert "--comm a2a splits the 4 query heads over cp=3" in err
+    choice = _run(["--ac", "some"], "0")
+    assert choice.returncode == 2 and "choose from 'none', 'full', 'selective'" in choice.stderr
+
+
+def test_compile_refused_without_a_cxx_compiler(monkeypatch):
+    monkeypatch.setattr(flags.shutil, "which", lambda name: None)
+    monkeypatch.setattr(flags, "device_type", lambda args: "cpu")
+    with pytest.raises(SystemExit):
+        flags.parse(["--compile"])
+
+
+def test_plan_for_64_ranks_without_a_process_group(capsys):
+    with pytest.raises(SystemExit) as e:
+        train.main(["--plan", "--world-size", "64", "--config", "27b", "--seq-len", "131072",
+                    "--batch-size", "1", "--fsdp", "--ac", "full", "--dtype", "bfloat16",
+                    "--device-mem-gib", "141"])
+    assert e.value.code == 0 and not dist.is_initialized()
+    out = capsys.readouterr().out
+    assert "64 ranks = dp 1 x cp 64" in out and "2048 tokens per rank" in out
+    assert "peak = parameters + optimizer" in out and "141.000 GiB" in out
+
+
+def test_refusal_names_flags_that_fit():
+    job = memory.Job(get_config("2b"), 32768, 1, 8, 8, dtype="bfloat16", device_type="cuda")
+    limit = 45 * memory.GIB
+    msg = memory.check(job, limit)
+    assert msg and "per rank but the device has 45.0 GiB" in msg and "--fsdp" in msg
+    assert memory.check(memory.Job(get_config("2b"), 32768, 1, 8, 8, fsdp=True, ac="full",
+                                   dtype="bfloat16", device_type="cuda"), limit) is None
+
+
+def test_plan_rows_move_the_right_way():
+    """AC and FSDP shrink what they should; 4x the sequence roughly 4x the activations."""
+    base = dict(cfg=get_config("9b"), batch=1, world=8, cp=8, dtype="bfloat16", device_type="cuda")
+
+    def rows(**kw):
+        return dict(memory.estimate(memory.Job(**{**base, **kw})))
+
+    none, full = rows(seq_len=32768), rows(seq_len=32768, ac="full")
+    sel, fsdp = rows(seq_len=32768, ac="selective"), rows(seq_len=32768, fsdp=True)
+    acts = "activations kept for backward [step]"
+    assert full[acts] < sel[acts] < none[acts]
+    assert fsdp["parameters (float32)"] * 8 == none["parameters (float32)"]
+    long = rows(seq_len=131072)
+    assert 3.9 < long[acts] / none[acts] < 4.1
