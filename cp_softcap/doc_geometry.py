@@ -213,11 +213,15 @@ def _stack(groups):
     key, no left bound, g's last row seeing exactly up to g's last key (raw right 0, so g's rows
     see none of h's further keys), h's right side bounded and h's keys reaching at least as
     far: when both bottom-right diagonals are the same line (k1 - q1 + right equal), h's window
-    gives g's rows exactly the keys they saw."""
+    gives g's rows exactly the keys they saw. Also joins two fully visible groups over the same
+    keys with adjacent rows (two query runs that both see a whole earlier key range)."""
     out = []
     for h in groups:
         g = out[-1] if out else None
-        if (g is not None and len(g["cu_q"]) == 2 and len(h["cu_q"]) == 2 and FULL not in (g["raw"], h["raw"])
+        if (g is not None and g["raw"] == FULL == h["raw"] and h["q0"] == g["q1"]
+                and (g["k0"], g["k1"]) == (h["k0"], h["k1"])):
+            g.update(q1=h["q1"], cu_q=[0, h["q1"] - g["q0"]])
+        elif (g is not None and len(g["cu_q"]) == 2 and len(h["cu_q"]) == 2 and FULL not in (g["raw"], h["raw"])
                 and g["raw"][0] is None and h["raw"][0] is None and g["raw"][1] == 0 and h["raw"][1] is not None
                 and h["q0"] == g["q1"] and h["k0"] == g["k0"] and h["k1"] >= g["k1"]
                 and g["k1"] - g["q1"] + g["raw"][1] == h["k1"] - h["q1"] + h["raw"][1]):

@@ -18,6 +18,7 @@ from cp_softcap.doc_geometry import (DocCall, block_exclusive, block_plan, gathe
                                      recv_calls, send_ranges, step_calls, stream_calls,
                                      visibility_mask)
 from cp_softcap.documents import doc_of, packed_layout
+from cp_softcap.layout import plan_step
 from cp_softcap.spec import normalize_window
 
 
@@ -261,3 +262,20 @@ def test_ring_blocks_cover_exactly(cp, size):
                         n == 1 for n in reads.values())
                 want = expected(layout.cu_seqlens, pos[me], layout.seq_len, window)
                 assert_exact(pairs, want, f"member {me} blocks {blocks} window {window}")
+
+
+def test_one_document_is_the_zigzag_geometry():
+    """One document over the whole stream: causal calls are exactly layout.plan_step's zigzag
+    calls, and no window needs more calls than plan_step."""
+    for cp in (2, 3, 4, 8):
+        n = 32 * cp
+        layout, chunk = packed_layout([0, n], n, cp), n // (2 * cp)
+        for window in [(None, 0), (None, None), (3, 0), (chunk, 0), (2, 3), (chunk + 1, chunk // 2)]:
+            for q in range(cp):
+                for k in range(cp):
+                    ours = step_calls(layout, q, k, window)
+                    zig = plan_step(cp, q, k, chunk, window)
+                    assert len(ours) <= len(zig), (cp, window, q, k)
+                    if window == (None, 0):
+                        key = lambda c: (c.q0, c.q1, c.k0, c.k1, c.window)  # noqa: E731
+                        assert sorted(map(key, ours)) == sorted(map(key, zig)), (cp, q, k)
