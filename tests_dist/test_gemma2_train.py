@@ -85,6 +85,7 @@ def test_two_nodes_over_c10d_loopback(tmp_path):
     for rec in map(json.loads, open(metrics)):     # torchtitan's columns; no MFU without a GPU
         assert rec["mfu"] is None and rec["tokens_per_s_per_device"] > 0 and rec["tflops"] > 0
         assert rec["memory_gib"] > 0
+    assert os.path.isfile(tmp_path / "ckpt" / "step-3" / "COMPLETE")
 
 
 @pytest.mark.timeout(60)
@@ -98,4 +99,3 @@ def test_bad_flags_fail_before_any_process_group_and_print_once():
     assert p.returncode != 0
     assert out.count("invalid choice: 'partial'") == 1, out[-3000:]
     assert "]:Traceback" not in out        # no worker raised (torchrun's own summary follows)
-    assert os.path.isfile(tmp_path / "ckpt" / "step-3" / "COMPLETE")
