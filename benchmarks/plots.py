@@ -6,8 +6,7 @@ the benchmark scripts (right after they write their JSON) and to redraw them all
 
 The kind of plot follows from the file name: kernels*, fa4_softcap*, cp_sim*, cp_multi*,
 comm_bytes*, ring_cpu* are drawn here; results named after another benchmark script that
-defines `plot(blob, png)` (e.g. packing_balance) are drawn by that function. JSON files whose
-records have no plot (profiles) are skipped.
+defines `plot(blob, png)` (e.g. packing_balance) are drawn by that function.
 """
 from __future__ import annotations
 
@@ -112,8 +111,6 @@ def plot_json(path: str, png: Optional[str] = None) -> Optional[str]:
     """Draw the plot of one benchmark JSON next to it (or at `png`); returns the PNG path, or
     None for a file of no known kind or without plottable records (e.g. a profile)."""
     stem = os.path.splitext(os.path.basename(path))[0]
-    if stem.endswith("_profile"):
-        return None
     kind = next((k for k in sorted(PLOTS, key=len, reverse=True) if stem.startswith(k)), None)
     draw = PLOTS[kind] if kind is not None else _script_plot(stem)
     if draw is None:
