@@ -110,12 +110,22 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
+def cp_size(world: int, dp: int) -> int:
+    """cp = world / dp, checked: dp divides the world and 2 * cp divides the sequence length."""
+    if dp < 1 or world % dp:
+        raise ValueError(f"--dp {dp} does not divide the number of ranks {world}")
+    cp = world // dp
+    if S % (2 * cp):
+        ok = [c for c in range(1, S // 2 + 1) if S % (2 * c) == 0]
+        raise ValueError(f"{world} ranks with --dp {dp} give cp {cp}, but this example's sequence "
+                         f"length {S} needs 2 * cp to divide it; use cp in {ok}")
+    return cp
+
+
 def run_rank(dp: int) -> int:
     """One rank's whole program, after torch.distributed is initialised. Returns the exit code."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % dp:
-        raise ValueError(f"--dp {dp} does not divide the world size {world}")
-    cp = world // dp
+    cp = cp_size(world, dp)
     mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
     model = tiny_gemma2()
     init_weights(model)
@@ -163,8 +173,10 @@ def main(argv=None) -> int:
             return run_rank(a.dp)
         finally:
             dist.destroy_process_group()
-    if a.nproc < 1 or a.nproc % a.dp:
-        p.error(f"--dp {a.dp} must divide --nproc {a.nproc}")
+    try:
+        cp_size(a.nproc, a.dp)
+    except ValueError as e:
+        p.error(str(e))
     with tempfile.TemporaryDirectory() as tmp:
         try:
             mp.spawn(_spawned, args=(a.nproc, a.dp, os.path.join(tmp, "rendezvous")), nprocs=a.nproc)
