@@ -19,7 +19,8 @@ Padding % = tokens a layout adds / stream tokens. Calls / messages / K/V tokens 
 rank per forward for a ring over that layout (doc_geometry.step_calls / send_ranges), the
 busiest rank's count; the per-document head-tail layout is not expressible as equal chunks, so
 it has none. The layout is balanced for causal attention; the same shards also serve Gemma2's
-sliding-window layers, whose balance (window (4095, 0)) is reported separately.
+sliding-window layers, whose balance (window (4095, 0)) is reported separately, next to a
+layout balanced for both layer kinds at once (packed_layout(..., layer_windows=[None, (4095, 0)])).
 
 Mixes (seeded): long-tail (log-uniform lengths 16..32K), short (uniform 64..2K), a single
 document, and long-tail filling 97 % of the stream (3 % tail padding).
@@ -76,7 +77,7 @@ def fixed_layout(cu, total, cp, chunks_per_rank=None, chunks=None, window=CAUSAL
     chunk = n // num
     areas = chunk_areas(tuple(cu), n, num, window)
     load = tuple(sum(areas[c] for c in h) for h in chunks)
-    return PackedLayout(tuple(cu), n, cp, window, chunk, chunks, load)
+    return PackedLayout(tuple(cu), n, cp, (window,), chunk, chunks, (load,))
 
 
 def ring_counts(layout: PackedLayout, window=CAUSAL):
@@ -124,6 +125,9 @@ def measure(kind, total, cp, seed, with_counts=True):
     rec["packed_m"] = ours.chunks_per_rank
     rec["packed_pad_pct"] = 100.0 * (ours.seq_len - total) / total
     rec["packed_w4095"] = window_ratio(ours, LOCAL)
+    joint = packed_layout(cu, total, cp, layer_windows=[CAUSAL, LOCAL])
+    rec["joint"], rec["joint_w4095"] = joint.imbalances
+    rec["joint_m"] = joint.chunks_per_rank
     if with_counts:
         rec["packed_calls"], rec["packed_msgs"], rec["packed_keys"] = ring_counts(ours)
         rec["packed_w4095_calls"], _, rec["packed_w4095_keys"] = ring_counts(ours, LOCAL)
@@ -198,9 +202,10 @@ def main(argv=None):
     mlines = [["mix", "cp"] + [f"m={m}: ratio, calls, msgs" for m in CHUNK_CHOICES]] + [
         [r["mix"], r["cp"]] + [f"{r[f'packed_m{m}']:.3f}, {r[f'packed_m{m}_calls']}, {r[f'packed_m{m}_msgs']}"
                                for m in CHUNK_CHOICES] for r in rows]
-    wlines = [["mix", "cp", "window 4095: packed", "zigzag", "K/V received causal: packed", "zigzag",
-               "window 4095: packed", "calls w4095"]] + [
+    wlines = [["mix", "cp", "window 4095: packed", "zigzag", "joint causal / 4095 (m)",
+               "K/V received causal: packed", "zigzag", "window 4095: packed", "calls w4095"]] + [
         [r["mix"], r["cp"], f"{r['packed_w4095']:.3f}", f"{r['zigzag_w4095']:.3f}",
+         f"{r['joint']:.3f} / {r['joint_w4095']:.3f} ({r['joint_m']})",
          f"{r['packed_keys']:.3f}", f"{r['zigzag_keys']:.3f}", f"{r['packed_w4095_keys']:.3f}",
          r["packed_w4095_calls"]] for r in rows]
     print("\nsliding-window layers (4095, 0) on the same layouts (busiest/mean), and the busiest rank's "

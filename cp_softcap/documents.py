@@ -8,14 +8,14 @@ from T_docs to the end of the stream are padding: outside every document.
 The layout (docs/packing.md): the stream, padded at its end to `padded_len`, is cut into
 cp * m equal chunks; every rank holds m of them, in global order. Chunks go to ranks by a
 deterministic solver that balances attention AREA (visible (q, k) pairs of a chunk's queries),
-not tokens: greedy by area with equal counts, then pairwise swaps that lower the busiest rank.
+not tokens, for causal attention or for every kind of layer window at once: greedy by area with equal counts, then pairwise swaps that lower the busiest rank.
 No document is padded. For one causal document and m = 2 the solver returns exactly the zigzag
 layout (chunks r and 2cp-1-r). m is the smallest of CHUNK_CHOICES whose busiest/mean area is
 within GOOD_ENOUGH, else the best of them: more chunks balance better but cost more kernel calls
 and messages (benchmarks/packing_balance.py measures both).
 
 Everything here is integer arithmetic on the host, identical on every rank, cached per
-(boundaries, length, cp, window).
+(boundaries, length, cp, layer windows).
 """
 from __future__ import annotations
 
@@ -132,13 +132,59 @@ def chunk_areas(cu: Tuple[int, ...], seq_len: int, num_chunks: int, window: Wind
     return tuple(areas)
 
 
-def assign_chunks(areas: Sequence[int], cp: int) -> Tuple[Tuple[int, ...], ...]:
-    """Chunks (by area) -> cp ranks with len(areas) // cp chunks each, ascending per rank.
+def assign_chunks(areas, cp: int) -> Tuple[Tuple[int, ...], ...]:
+    """Chunks -> cp ranks with len(chunks) // cp chunks each, ascending per rank.
 
-    Greedy: chunks by decreasing area (ties: higher index first), each to the least loaded rank
-    that still has room (ties: lowest rank). Then swaps: while exchanging one chunk of the
-    busiest rank with a smaller chunk of another rank lowers the larger of the two loads below
-    the busiest load, do the best such swap. Deterministic pure-integer arithmetic."""
+    areas: each chunk's area (a sequence of ints), or one such sequence per layer window to
+    balance them all at once (every layer synchronises the ranks, so each kind of layer needs
+    its own balance). Each window's loads are compared as a fraction of its total, in exact
+    integers (load_w * prod of the other totals).
+
+    Greedy: chunks by decreasing (scaled) area summed over windows (ties: higher index first),
+    each to the rank with room whose worst load after taking it is lowest (ties: lowest rank).
+    Then swaps: while exchanging one chunk of the busiest (rank, window) with a chunk of another
+    rank lowers both ranks' worst load below the busiest load, do the best such swap. For one
+    window this is "least loaded rank first" and "swap a bigger chunk for a smaller one"."""
+    per_window = [list(areas)] if areas and isinstance(areas[0], int) else [list(a) for a in areas]
+    if len(per_window) == 1:
+        return _assign_one(per_window[0], cp)
+    totals = [max(1, sum(a)) for a in per_window]
+    scale = [_product(t for v, t in enumerate(totals) if v != w) for w in range(len(totals))]
+    vec = [tuple(a[c] * scale[w] for w, a in enumerate(per_window)) for c in range(len(per_window[0]))]
+    m = len(vec) // cp
+    load, held = [[0] * len(totals) for _ in range(cp)], [[] for _ in range(cp)]
+
+    def add(r, c, sign=1):
+        load[r] = [x + sign * y for x, y in zip(load[r], vec[c])]
+
+    for c in sorted(range(len(vec)), key=lambda i: (-sum(vec[i]), -i)):
+        r = min((r for r in range(cp) if len(held[r]) < m),
+                key=lambda r: (max(x + y for x, y in zip(load[r], vec[c])), r))
+        held[r].append(c)
+        add(r, c)
+    for _ in range(4 * len(vec)):
+        b = max(range(cp), key=lambda r: (max(load[r]), -r))
+        top, best = max(load[b]), None
+        for x in held[b]:
+            for r in range(cp):
+                if r == b:
+                    continue
+                for y in held[r]:
+                    worst = max(max(lb - vx + vy for lb, vx, vy in zip(load[b], vec[x], vec[y])),
+                                max(lr + vx - vy for lr, vx, vy in zip(load[r], vec[x], vec[y])))
+                    if worst < top and (best is None or worst < best[0]):
+                        best = (worst, x, r, y)
+        if best is None:
+            break
+        _, x, r, y = best
+        held[b][held[b].index(x)] = y
+        held[r][held[r].index(y)] = x
+        add(b, x, -1), add(b, y), add(r, y, -1), add(r, x)
+    return tuple(tuple(sorted(h)) for h in held)
+
+
+def _assign_one(areas, cp: int) -> Tuple[Tuple[int, ...], ...]:
+    """assign_chunks for one window, on plain ints (the common case, about 10x faster)."""
     m = len(areas) // cp
     load, held = [0] * cp, [[] for _ in range(cp)]
     for c in sorted(range(len(areas)), key=lambda i: (-areas[i], -i)):
@@ -154,10 +200,8 @@ def assign_chunks(areas: Sequence[int], cp: int) -> Tuple[Tuple[int, ...], ...]:
                     continue
                 for y in held[r]:
                     delta = areas[x] - areas[y]
-                    if delta <= 0:
-                        continue
                     worst = max(load[b] - delta, load[r] + delta)
-                    if worst < load[b] and (best is None or worst < best[0]):
+                    if delta > 0 and worst < load[b] and (best is None or worst < best[0]):
                         best = (worst, x, r, y, delta)
         if best is None:
             break
@@ -169,25 +213,33 @@ def assign_chunks(areas: Sequence[int], cp: int) -> Tuple[Tuple[int, ...], ...]:
     return tuple(tuple(sorted(h)) for h in held)
 
 
+def _product(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
 @dataclass(frozen=True, eq=False)
 class PackedLayout:
     """Which global tokens each rank holds for one packed stream. Small, frozen, hashable.
 
     cu_seqlens: validated boundaries; seq_len: padded stream length (padded_len of the user's);
-    cp: ranks; window: the attention the balance was computed for; chunk: tokens per chunk;
-    chunks[r]: global chunk indices of rank r, ascending (rank r's local tokens are these chunks
-    concatenated); rank_area[r]: visible (q, k) pairs of rank r's queries under `window`."""
+    cp: ranks; windows: the layer windows the balance was computed for (causal: ((None, 0),));
+    chunk: tokens per chunk; chunks[r]: global chunk indices of rank r, ascending (rank r's
+    local tokens are these chunks concatenated); rank_area[w][r]: visible (q, k) pairs of rank
+    r's queries under windows[w]."""
     cu_seqlens: Tuple[int, ...]
     seq_len: int
     cp: int
-    window: Window
+    windows: Tuple[Window, ...]
     chunk: int
     chunks: Tuple[Tuple[int, ...], ...]
-    rank_area: Tuple[int, ...]
+    rank_area: Tuple[Tuple[int, ...], ...]
     signature: int = field(default=0)
 
     def __post_init__(self):
-        key = (cu_hash(self.cu_seqlens), self.seq_len, self.cp, self.window, self.chunk, self.chunks)
+        key = (cu_hash(self.cu_seqlens), self.seq_len, self.cp, self.windows, self.chunk, self.chunks)
         object.__setattr__(self, "signature", cu_hash(list(_flatten(key))))
 
     def __hash__(self) -> int:
@@ -195,8 +247,8 @@ class PackedLayout:
 
     def __eq__(self, other) -> bool:
         return (isinstance(other, PackedLayout) and self.signature == other.signature
-                and (self.seq_len, self.cp, self.window, self.chunks, self.cu_seqlens)
-                == (other.seq_len, other.cp, other.window, other.chunks, other.cu_seqlens))
+                and (self.seq_len, self.cp, self.windows, self.chunks, self.cu_seqlens)
+                == (other.seq_len, other.cp, other.windows, other.chunks, other.cu_seqlens))
 
     @property
     def chunks_per_rank(self) -> int:
@@ -216,10 +268,14 @@ class PackedLayout:
         return self.seq_len - self.cu_seqlens[-1]
 
     @property
+    def imbalances(self) -> Tuple[float, ...]:
+        """Per window: busiest rank's area over the mean (1.0 = perfect, and when no area)."""
+        return tuple(max(a) * self.cp / sum(a) if sum(a) else 1.0 for a in self.rank_area)
+
+    @property
     def imbalance(self) -> float:
-        """Busiest rank's area over the mean (1.0 = perfect; 1.0 when there is no area)."""
-        total = sum(self.rank_area)
-        return max(self.rank_area) * self.cp / total if total else 1.0
+        """The worst of `imbalances`."""
+        return max(self.imbalances)
 
     def runs(self, rank: int) -> Tuple[Tuple[int, int, int], ...]:
         """Rank's tokens as maximal global runs (g0, g1, local0): global [g0, g1) sits at local
@@ -293,27 +349,33 @@ def doc_of(cu: Tuple[int, ...], t: int) -> int:
 
 
 def packed_layout(cu_seqlens, seq_len: int, cp: int, *, causal: bool = True, window=None,
-                  rank=None) -> PackedLayout:
+                  layer_windows: Optional[Sequence] = None, rank=None) -> PackedLayout:
     """The packed layout of a stream of `seq_len` tokens (>= the last boundary) over `cp` ranks,
-    balanced for causal (default) or full attention with an optional window. Cached."""
+    balanced for causal (default) or full attention with `window`; or, with layer_windows (e.g.
+    [None, (4095, 0)] for Gemma2's global and local layers), for every listed window at once,
+    each normalised with `causal`. Cached."""
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp must be a positive int, got {cp!r}")
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
     cu = check_cu_seqlens(cu_seqlens, seq_len, rank=rank)
-    return _layout(cu, padded_len(seq_len, cp), cp, normalize_window(window, causal))
+    if layer_windows is None:
+        layer_windows = [window]
+    elif window is not None or not isinstance(layer_windows, (list, tuple)) or not layer_windows:
+        raise ValueError(f"layer_windows={layer_windows!r} (with window={window!r}): pass either one "
+                         "window, or a non-empty list of every layer kind's window, not both")
+    windows = tuple(dict.fromkeys(normalize_window(w, causal) for w in layer_windows))
+    return _layout(cu, padded_len(seq_len, cp), cp, windows)
 
 
 @lru_cache(maxsize=64)
-def _layout(cu: Tuple[int, ...], seq_len: int, cp: int, window: Window) -> PackedLayout:
-    if cp == 1:
-        return PackedLayout(cu, seq_len, 1, window, seq_len, ((0,),), chunk_areas(cu, seq_len, 1, window))
+def _layout(cu: Tuple[int, ...], seq_len: int, cp: int, windows: Tuple[Window, ...]) -> PackedLayout:
     best = None
-    for m in CHUNK_CHOICES:
-        areas = chunk_areas(cu, seq_len, cp * m, window)
+    for m in ((1,) if cp == 1 else CHUNK_CHOICES):
+        areas = [chunk_areas(cu, seq_len, cp * m, w) for w in windows]
         chunks = assign_chunks(areas, cp)
-        load = tuple(sum(areas[c] for c in held) for held in chunks)
-        layout = PackedLayout(cu, seq_len, cp, window, seq_len // (cp * m), chunks, load)
+        load = tuple(tuple(sum(a[c] for c in held) for held in chunks) for a in areas)
+        layout = PackedLayout(cu, seq_len, cp, windows, seq_len // (cp * m), chunks, load)
         if layout.imbalance <= GOOD_ENOUGH:
             return layout
         if best is None or layout.imbalance < best.imbalance:

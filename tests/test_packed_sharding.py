@@ -80,8 +80,8 @@ def test_layout_areas_and_equal_counts():
             assert held == list(range(cp * layout.chunks_per_rank))
             assert all(list(h) == sorted(h) and len(h) == layout.chunks_per_rank for h in layout.chunks)
             for r in range(cp):
-                assert layout.rank_area[r] == brute_area(cu, layout.seq_len, layout.window,
-                                                         layout.index(r).tolist())
+                assert layout.rank_area[0][r] == brute_area(cu, layout.seq_len, layout.windows[0],
+                                                            layout.index(r).tolist())
 
 
 def test_assign_chunks_balances_and_is_deterministic():
@@ -93,6 +93,7 @@ def test_assign_chunks_balances_and_is_deterministic():
         assert got == assign_chunks(list(areas), cp)
         loads = [sum(areas[c] for c in h) for h in got]
         assert all(len(h) == m for h in got)
+        assert got == assign_chunks([areas, [0] * len(areas)], cp)      # joint solver, one live window
         # no single swap can lower the busiest rank (the local-search stopping rule)
         b = max(range(cp), key=lambda r: loads[r])
         for x in got[b]:
@@ -158,3 +159,29 @@ def test_hash_is_stable_and_sensitive():
     assert cu_hash(a) != cu_hash((0, 4, 9)) and cu_hash(a) != cu_hash((0, 3, 9, 10))
     assert cu_hash((0, 1)) == 4059051691542397301       # same value in every process and release
     assert packed_layout([0, 3, 9], 9, 2).signature != packed_layout([0, 4, 9], 9, 2).signature
+
+
+def test_layer_windows_balance_every_layer_kind():
+    """Gemma2-like models alternate causal and sliding-window layers on the same shards: a
+    layout for both reports both balances and keeps each within 1.10 where the causal-only
+    layout leaves the window layers unbalanced."""
+    rng = random.Random(0)
+    n, cp = 8192, 4
+    cu = [0]
+    while cu[-1] < n:
+        cu.append(min(n, cu[-1] + int(2 ** rng.uniform(4, 13))))
+    both = packed_layout(cu, n, cp, layer_windows=[None, (255, 0)])
+    alone = packed_layout(cu, n, cp)
+    assert both.windows == ((None, 0), (255, 0)) and len(both.imbalances) == 2
+    assert max(both.imbalances) <= 1.10, both.imbalances
+    assert _ratio(cu, alone, (255, 0)) > 1.10                 # this mix needs the joint balance
+    assert both.rank_area[1] == tuple(brute_area(cu, both.seq_len, (255, 0), both.index(r).tolist())
+                                      for r in range(cp))
+    with pytest.raises(ValueError, match="not both"):
+        packed_layout(cu, n, cp, window=(3, 0), layer_windows=[None])
+
+
+def _ratio(cu, layout, window):
+    areas = chunk_areas(tuple(cu), layout.seq_len, layout.cp * layout.chunks_per_rank, window)
+    loads = [sum(areas[c] for c in h) for h in layout.chunks]
+    return max(loads) * len(loads) / sum(loads)
