@@ -10,9 +10,10 @@ cp * m equal chunks; every rank holds m of them, in global order. Chunks go to r
 deterministic solver that balances attention AREA (visible (q, k) pairs of a chunk's queries),
 not tokens, for causal attention or for every kind of layer window at once: greedy by area with
 equal counts, then pairwise swaps that lower the busiest rank. No document is padded. For one
-causal document and m = 2 the solver returns exactly the zigzag layout (chunks r and 2cp-1-r). m is the smallest of CHUNK_CHOICES whose busiest/mean area is
-within GOOD_ENOUGH, else the best of them: more chunks balance better but cost more kernel calls
-and messages (benchmarks/packing_balance.py measures both).
+causal document and m = 2 the solver returns exactly the zigzag layout (chunks r and
+2cp-1-r). m is the smallest of CHUNK_CHOICES whose busiest/mean area is within GOOD_ENOUGH,
+else the best of them: more chunks balance better but cost more kernel calls and messages
+(benchmarks/packing_balance.py measures both).
 
 Everything here is integer arithmetic on the host, identical on every rank, cached per
 (boundaries, length, cp, layer windows).
