@@ -164,7 +164,7 @@ if [ "$phase" = flexflash ]; then               # after fa4 is installed
   timeout 150 $PY -m pytest tests/test_gpu_cp.py -q -rs -n 4 -p no:cacheprovider -k bitwise 2>&1 \
       | tee "$OUT/pytest_bitwise.log" | tail -6 || rc=1
   step "flex through FA4's CuTe backend vs flex Triton vs the fa4 adapter (softcap 50)"
-  timeout 330 $PY benchmarks/flex_flash.py $bench_args 2>&1 | tail -30 || rc=1
+  timeout 260 $PY benchmarks/flex_flash.py $bench_args --models 9B --rep-ms 100 2>&1 | tail -30 || rc=1
   cp $bench_out/flex_flash.json $bench_out/flex_flash.png "$OUT/" 2>/dev/null
 fi
 if [ "$phase" = native ]; then                  # after fa4 is installed
