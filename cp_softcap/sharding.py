@@ -152,7 +152,8 @@ def _unshard_packed(shards, dim: int, cu_seqlens, seq_len: Optional[int]) -> tor
     full = torch.cat([p for _, p in sorted(pieces, key=lambda t: t[0])], dim=dim)
     if seq_len is None:
         return full
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not layout.cu_seqlens[-1] <= seq_len <= layout.seq_len:
+    valid = isinstance(seq_len, int) and not isinstance(seq_len, bool)
+    if not valid or not layout.cu_seqlens[-1] <= seq_len <= layout.seq_len:
         raise ValueError(f"seq_len={seq_len!r} must be an int between the last document end "
                          f"{layout.cu_seqlens[-1]} and the padded length {layout.seq_len}")
     return full.narrow(dim, 0, seq_len)

@@ -111,7 +111,8 @@ def random_docs(rng: random.Random, cp: int):
     cu = [0]
     while cu[-1] < total - tail:
         kind = rng.random()
-        n = 1 if kind < 0.25 else rng.randint(2, 5) if kind < 0.65 else rng.randint(total // cp + 1, max(total // cp + 1, total - 1))
+        share = total // cp + 1                                 # longer than a rank's share
+        n = 1 if kind < 0.25 else rng.randint(2, 5) if kind < 0.65 else rng.randint(share, max(share, total - 1))
         cu.append(min(total - tail, cu[-1] + n))
     return cu, total
 
@@ -228,7 +229,8 @@ def block_splits(n: int):
     """Ways the ring may group steps 1..n-1 into consecutive blocks: one per step, all in one,
     and pairs."""
     steps = list(range(1, n))
-    return [[(s,) for s in steps], [tuple(steps)] if steps else [], [tuple(steps[i:i + 2]) for i in range(0, len(steps), 2)]]
+    pairs = [tuple(steps[i:i + 2]) for i in range(0, len(steps), 2)]
+    return [[(s,) for s in steps], [tuple(steps)] if steps else [], pairs]
 
 
 @pytest.mark.parametrize("cp, size", [(1, 1), (2, 1), (3, 1), (5, 1), (4, 2), (6, 2)])
