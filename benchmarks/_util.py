@@ -134,8 +134,8 @@ def launch_ranks(fn: Callable, world: int, args: Sequence = (), env: Optional[Ma
     Raises RuntimeError, after every process is gone (joined, or killed): with the traceback of
     the lowest rank that raised; for a rank that exited without reporting, with its exit code or
     signal; or when ranks are still running after `timeout` seconds, naming them.
-    The process handling is cp_softcap.ranks.spawn_ranks (shared with tests_dist)."""
-    from cp_softcap.ranks import failure_text, spawn_ranks
+    The process handling is tests_dist/ranks.py's spawn_ranks (shared with the tests)."""
+    from tests_dist.ranks import failure_text, spawn_ranks
     env = dict(env or {})
     out, running = spawn_ranks(fn, world, args, ctx="spawn", deadline_s=timeout, env=env,
                                env_at_start=True, pg_timeout=pg_timeout, pin_cores=pin_cores,

@@ -4,7 +4,7 @@ against each other rank's K/V. Pure integer arithmetic, shared by every CP algor
 A rank's local sequence is 2c tokens: chunk a = global chunk r (local rows 0..c) and chunk
 b = global chunk 2cp-1-r (local rows c..2c). For every (Q chunk, KV chunk) pair we trim the
 exact visible bounding box under the global rule  i - left <= j <= i + right  and convert the
-window to the kernel contract's bottom-right aligned local window (kernels.md):
+window to the kernel contract's bottom-right aligned local window (docs/kernels.md):
     d = (oq - ok) - (Sk - Sq);  left' = left - d;  right' = right + d.
 Trimming guarantees left', right' >= 0 and that every kept row sees at least one key, so any
 kernel that supports windows can serve the pair; pairs that see nothing are dropped.

@@ -5,7 +5,7 @@
 A kernel is eligible only if no row rejects it and its probe passes (fail closed). Among the
 eligible, the first in `PREFERENCE[device]` wins.
 
-Preference (fastest verified first; figures from anchors.md / benchmarks/RESULTS.md, H200):
+Preference (fastest verified first; figures measured on an H200, benchmarks/RESULTS.md):
   cuda: fa3 (opt-in only) > sdpa (no softcap: cuDNN 584-639 TFLOP/s fwd) > fa4 (softcap 50:
         ~457 fwd / ~366 fwd+bwd) > fa2 > flex (softcap: ~160-175 fwd / ~115 fwd+bwd) > torch
   cpu:  sdpa (no softcap; fused C++) > torch (everything else)
@@ -57,6 +57,10 @@ RULES: Tuple[Rule, ...] = (
     Rule(("*",), lambda s, k: s.head_dim % k.caps.head_dim_multiple != 0
          or s.head_dim_v % k.caps.head_dim_multiple != 0,
          lambda s, k: f"head dim {s.head_dim} is not a multiple of {k.caps.head_dim_multiple}"),
+    # before the generic CP row, so that FA3 under CP is refused with its reason
+    Rule(("fa3",), lambda s, k: s.cp_size > 1,
+         lambda s, k: f"not under context parallelism (cp={s.cp_size}): FA3's context-parallel "
+                      "path cannot carry the softcap"),
     Rule(("*",), lambda s, k: s.cp_size > 1 and not k.caps.cp,
          lambda s, k: f"excluded under context parallelism (cp={s.cp_size})"),
     Rule(("*",), lambda s, k: s.return_lse and s.needs_backward and not k.caps.dlse,
@@ -65,9 +69,6 @@ RULES: Tuple[Rule, ...] = (
          lambda s, k: "has no deterministic backward and torch.use_deterministic_algorithms is on"),
     Rule(("fa3",), lambda s, k: not settings.fa3_enabled(),
          lambda s, k: "opt-in only: set CP_SOFTCAP_FA3=1 (single device, never under CP)"),
-    Rule(("fa3",), lambda s, k: s.cp_size > 1,
-         lambda s, k: f"not under context parallelism (cp={s.cp_size}): FA3's context-parallel "
-                      "path cannot carry the softcap"),
 )
 
 

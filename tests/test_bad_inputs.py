@@ -15,7 +15,7 @@ import torch
 
 import cp_softcap as cps
 from cp_softcap import sharding
-from cp_softcap.reference import reference_attention
+from cp_softcap.testing import reference_attention
 from cp_softcap.cli import main as select_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,7 +13,7 @@ import torch
 from cp_softcap import sharding
 from cp_softcap.doc_geometry import step_calls, stream_calls
 from cp_softcap.documents import packed_layout
-from cp_softcap.reference import reference_attention
+from cp_softcap.testing import reference_attention
 from cp_softcap.spec import normalize_window
 from doc_reference import doc_reference_attention, masked_attention
 

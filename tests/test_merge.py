@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cp_softcap.merge import clean_lse, merge, merge_into, new_accumulator
-from cp_softcap.reference import reference_attention
+from cp_softcap.testing import reference_attention
 from cp_softcap.testing import assert_finite, lse_err, rel_err, saturating_qkv
 
 NEG_INF, POS_INF = float("-inf"), float("inf")

@@ -1,7 +1,7 @@
 import torch
 
 import cp_softcap as cps
-from cp_softcap.reference import reference_attention
+from cp_softcap.testing import reference_attention
 
 
 def test_attention_matches_reference_with_saturating_softcap():

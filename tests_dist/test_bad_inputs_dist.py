@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import cp_softcap as cps
-from cp_softcap.reference import reference_attention
+from cp_softcap.testing import reference_attention
 from cp_softcap.sharding import shard
 from harness import run_ranks
 

@@ -1,7 +1,7 @@
 """`fa2`: FlashAttention-2 (`flash_attn.flash_attn_interface`, flash-attn 2.6.2 - 2.8.x).
 
-Written against the documented low-level functions; tested where the package imports (it is not
-installable on the project's GPU machine within a session: sdist only, ~25 min build).
+Written against the documented low-level functions. The CPU tests run it on a stand-in module of
+each signature family; the GPU tests run it where flash-attn 2 is installed.
 
 Signature families, told apart by PARAMETER NAMES (never version strings):
   "split"  (2.7+, custom ops): _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal,

@@ -1,7 +1,8 @@
 """`fa3`: FlashAttention-3 (module `flash_attn_interface`, dist flash_attn_3; Hopper only).
 
 Opt-in and single-device only: the selector requires CP_SOFTCAP_FA3=1 (RULES row) and
-caps.cp=False keeps it out of every context-parallel path (the mission excludes FA3 under CP).
+caps.cp=False keeps it out of every context-parallel path: FA3's context-parallel path cannot
+carry the softcap.
 
 At least four incompatible Python signatures shipped under one version string, so the adapter
 binds by PARAMETER NAMES: every parameter without a default that we do not set is passed as None

@@ -6,8 +6,8 @@ LSE normalisation to the contract's [B, H, L] float32:
     cudnn      returns [B, H, L, 1]            -> squeeze          (backward takes [B, H, L, 1])
     flash      returns [B, H, L]               -> as is
     efficient  returns [B, H, ceil32(L)]       -> slice            (backward takes the padded one)
-`is_causal` is TOP-LEFT aligned in all three; sdpa.py only passes it for square problems and
-uses an additive bias (efficient op) for bottom-right causal with Sq < Sk.
+`is_causal` is TOP-LEFT aligned in all three; sdpa.py passes it only for square pieces: bottom-right
+causal with Sq < Sk is split into a full part and a square causal part (sdpa._cuda_parts).
 The dropout RNG outputs (seed/offset) are meaningless with dropout 0; backward gets dummies.
 """
 from __future__ import annotations
@@ -75,16 +75,6 @@ def backward(op: str, dout, q, k, v, out, lse, *, scale: float, is_causal: bool,
             [True, True, True, False], is_causal, scale=scale)
         return res[0], res[1], res[2]
     raise ValueError(f"unknown SDPA op {op!r}; choose one of {OPS}")
-
-
-def bottom_right_bias(sq: int, sk: int, dtype, device) -> torch.Tensor:
-    """Additive [Sq, Sk] bias (0 / -inf) for bottom-right causal, last dim stride padded to 16
-    elements as the efficient op requires."""
-    pad = (sk + 15) // 16 * 16
-    i = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)
-    j = torch.arange(pad, device=device).unsqueeze(0)
-    bias = torch.zeros(sq, pad, dtype=dtype, device=device).masked_fill(j > i, _NEG_INF)
-    return bias[:, :sk]
 
 
 def selftest(op: str, dtype, head_dim: int, head_dim_v: int, device) -> Optional[str]:

@@ -1,6 +1,4 @@
-"""Shared helpers for cp_softcap's tests (single-process tests/ and multi-process tests_dist/).
-
-Not part of the public API; imports only torch and cp_softcap.reference.
+"""Checks of attention results against the float64 reference (see cp_softcap.testing).
 
     q, k, v, frac = saturating_qkv(1, 64, 64, 4, 2, 32, torch.bfloat16, softcap=50.0)
     ref_out, ref_lse, ref_grads = reference_with_grads(q, k, v, dout, softcap=50.0, causal=True)

@@ -1,5 +1,5 @@
-"""Float64 reference of full (non-CP) attention, differentiable by autograd. For tests only:
-it materialises the whole score matrix.
+"""Float64 reference of full (non-CP) attention, differentiable by autograd. It materialises
+the whole [B, H, Sq, Sk] score matrix: for checking results, not for training.
 
 Global window rule: key j visible from query i iff i - left <= j <= i + right, positions given by
 `q_pos`/`k_pos` (default 0..S-1). Rows that see no key give out = 0 and lse = -inf.
