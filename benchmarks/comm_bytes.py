@@ -169,7 +169,7 @@ def _spec(cp, hq=HQ, hkv=HKV, window=None, comm="ring"):
 
 def partial_bytes():
     """The stand-in's dK/dV partial element bytes (kernel.partial_dtype, bf16 inputs): what
-    dispatch gives the model for the selected kernel. 4: float32, as the torch kernel."""
+    the plan gives the model for the selected kernel. 4: float32, as the torch kernel."""
     return _make_standin().partial_dtype(torch.bfloat16).itemsize
 
 

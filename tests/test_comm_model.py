@@ -2,7 +2,7 @@
 causal zigzag, the windowed ring, all_gather, a2a and a2a+p2p, the busiest-rank total, the
 choice, the select CLI, and ring dK/dV returned in the kernel's 16-bit partial dtype
 (partial_bytes=) for exclusive blocks. tests_dist/test_comm_model_dist.py checks the model against
-comm.counting() on real gloo ranks; benchmarks/comm_bytes.py at Gemma2-9B shapes."""
+transport.counting() on real gloo ranks; benchmarks/comm_bytes.py at Gemma2-9B shapes."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""cp/auto.py's byte model == what the comm layer counts (comm.counting()) on real gloo ranks:
+"""cp/auto.py's byte model == what the transport counts (transport.counting()) on real gloo ranks:
 every op of every rank, forward and backward, for ring (causal, windows narrower than / crossing
 a chunk, two-sided, no mask; one step per block and default blocks), all_gather, a2a (with KV
 heads replicated) and a2a+p2p. Tiny shapes, the real kernels. NATIVE_CASES run the same with a
@@ -76,7 +76,7 @@ def test_model_equals_counted_bytes(block_keys, native):
     for i, (comm, a2a, causal, window, hq, hkv, dtype) in enumerate(cases):
         spec = make_spec(head_dim=8, num_heads=hq, num_kv_heads=hkv, dtype=dtype, device_type="cpu",
                          softcap=5.0, causal=causal, window=window, cp_size=CP, comm=comm)
-        # what dispatch passes to choose_comm: None = gradient bytes (the torch kernel); the
+        # what the plan passes to choose_comm: None = gradient bytes (the torch kernel); the
         # native stand-in's partials have the input dtype (Kernel.partial_dtype)
         kw = dict(partial_bytes=dtype.itemsize if native else None,
                   block_keys=int(block_keys))

@@ -1,7 +1,7 @@
 """Deterministic mode: with torch.use_deterministic_algorithms(True) the selector only picks
 kernels with a deterministic backward, and repeated runs of every comm type give bitwise-equal
 outputs and gradients (gloo, CPU, world 2; saturating softcap, a window crossing chunks, GQA).
-Comm types that this checkout does not have yet (dispatch raises 'not available') are reported
+Comm types that this checkout does not have yet (the plan raises 'not available') are reported
 as skipped, so the test covers each one as soon as it lands."""
 from __future__ import annotations
 

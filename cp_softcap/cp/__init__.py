@@ -1,2 +1,2 @@
-"""Context-parallel algorithms: one file each (ring, all_gather, a2a, hybrid), dispatched by
-dispatch.run_cp. They import kernels only through the selector's choice."""
+"""Context-parallel algorithms, one file per comm= value (ring, all_gather, a2a, a2a_p2p, auto).
+Each autograd.Function takes (q, k, v, plan); api.ALGORITHMS maps comm names to them."""
