@@ -32,6 +32,7 @@ def _extra(argv):
     p.add_argument("--vocab", type=int)
     p.add_argument("--layers-ac", help="comma-separated per-layer AC, repeated over the layers")
     p.add_argument("--loss-only", action="store_true")
+    p.add_argument("--tokens", type=int, default=1024, help="--loss-only: tokens (hidden 256, vocab 256000)")
     p.add_argument("--json", help="append the result as one JSON line here (rank 0)")
     return p.parse_known_args(argv)
 
@@ -66,7 +67,7 @@ def step_peak(argv) -> dict:
             "estimate_over_measured": est / worst.item(), "step_s": min(times)}
 
 
-def loss_peak(tokens: int = 512, hidden: int = 256, vocab: int = 256000) -> dict:
+def loss_peak(tokens: int = 1024, hidden: int = 256, vocab: int = 256000) -> dict:
     """The loss alone at Gemma2's vocabulary: full float32 logits vs 256 MiB slices."""
     import torch.nn.functional as F
     from gemma2.loss import softcap_cross_entropy_sum
@@ -94,7 +95,7 @@ def loss_peak(tokens: int = 512, hidden: int = 256, vocab: int = 256000) -> dict
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     extra, _ = _extra(argv)
-    result = loss_peak() if extra.loss_only else step_peak(argv)
+    result = loss_peak(extra.tokens) if extra.loss_only else step_peak(argv)
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(result), flush=True)
         if extra.json:

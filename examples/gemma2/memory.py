@@ -66,14 +66,14 @@ def _kernel_scratch(job: Job, queries: int, keys: int, heads: int) -> int:
     """One kernel call's working memory. GPU kernels (flash-attn, FlexAttention) tile scores on
     chip: float32 output and LSE partials only. On CPU the pure-PyTorch kernel works on score
     blocks of up to 1024 x 1024 (halved until one holds at most 2**23 entries) and holds about
-    five float32 block-sized temporaries, six and a half once the blocks had to be halved
+    five float32 block-sized temporaries, six and a half when a call spans several blocks
     (measured with memcheck.py at cp 1, 2 for every comm)."""
     c = job.cfg
     partials = job.batch * heads * queries * (c.head_dim + 1) * 4
     if job.device_type == "cuda":
         return 2 * partials
     block = job.batch * heads * min(queries, 1024) * min(keys, 1024)
-    temporaries = 5.0 if block <= 1 << 23 else 6.5
+    temporaries = 5.0 if block <= 1 << 23 and max(queries, keys) <= 1024 else 6.5
     return int(temporaries * min(block, 1 << 23) * 4) + partials
 
 
