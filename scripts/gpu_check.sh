@@ -160,11 +160,13 @@ if [ "$phase" = fa2 ]; then                     # after fa4 is installed; .fa2/ 
   cp $bench_out/kernels_fa2.json $bench_out/kernels_fa2.png "$OUT/" 2>/dev/null
 fi
 if [ "$phase" = flexflash ]; then               # after fa4 is installed
-  step "GPU test: fa4 bf16 dK/dV returns bitwise equal to float32 returns (deterministic mode)"
-  timeout 150 $PY -m pytest tests/test_gpu_cp.py -q -rs -n 4 -p no:cacheprovider -k bitwise 2>&1 \
-      | tee "$OUT/pytest_bitwise.log" | tail -6 || rc=1
+  step "GPU tests: kernels (fa4, flex, sdpa) and CP on one GPU, incl. the bitwise bf16-return test"
+  timeout 100 $PY -m pytest tests/test_gpu_kernels.py -q -rs -n 4 -p no:cacheprovider 2>&1 \
+      | tee "$OUT/pytest_kernels.log" | tail -4 || rc=1
+  timeout 170 $PY -m pytest tests/test_gpu_cp.py -q -rs -n 4 -p no:cacheprovider 2>&1 \
+      | tee "$OUT/pytest_cp.log" | tail -8 || rc=1
   step "flex through FA4's CuTe backend vs flex Triton vs the fa4 adapter (softcap 50)"
-  timeout 260 $PY benchmarks/flex_flash.py $bench_args --models 9B --rep-ms 100 2>&1 | tail -30 || rc=1
+  timeout 200 $PY benchmarks/flex_flash.py $bench_args --models 9B --rep-ms 100 2>&1 | tail -30 || rc=1
   cp $bench_out/flex_flash.json $bench_out/flex_flash.png "$OUT/" 2>/dev/null
 fi
 if [ "$phase" = native ]; then                  # after fa4 is installed
