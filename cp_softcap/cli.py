@@ -22,7 +22,7 @@ def _window_side(text: str):
     return None if text.lower() in ("none", "-1", "inf") else int(text)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cp_softcap", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--softcap", type=float, default=None, help="tanh cap; 0 or absent = off")
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=int, default=None, help="KV heads (None: --heads)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="input dtype")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="device type (default: cuda where CUDA is available)")
+                   help="device type (cuda where CUDA is available)")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
                    help="causal attention, as the library's default")
     p.add_argument("--window", nargs=2, type=_window_side, metavar=("LEFT", "RIGHT"), default=None,
@@ -45,7 +45,11 @@ def main(argv=None) -> int:
     p.add_argument("--a2a-size", type=int, default=None,
                    help="with --seq-len: also model comm='a2a+p2p' with all-to-all groups of this size "
                         "(shown only; comm='auto' does not pick it)")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
     try:
         spec = make_spec(head_dim=a.head_dim, num_heads=a.heads, num_kv_heads=a.kv_heads or a.heads,
                          dtype=_DTYPES[a.dtype], device_type=a.device, softcap=a.softcap,

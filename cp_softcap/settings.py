@@ -32,33 +32,30 @@ def _bad(name: str, raw: str, valid: str) -> ValueError:
     return ValueError(f"{name}={raw!r} is not valid: expected {valid}; unset it for the default")
 
 
+def _number(name: str, parse, ok, valid: str, default):
+    raw = _raw(name)
+    if not raw:
+        return default
+    try:
+        value = parse(raw)
+    except ValueError:
+        raise _bad(name, raw, valid) from None
+    if not ok(value):
+        raise _bad(name, raw, valid)
+    return value
+
+
 def timeout_s() -> float:
     """CP_SOFTCAP_TIMEOUT: seconds a CP collective waits for a peer (default 120)."""
-    name, raw = "CP_SOFTCAP_TIMEOUT", _raw("CP_SOFTCAP_TIMEOUT")
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise _bad(name, raw, "a finite number of seconds > 0") from None
-    if not math.isfinite(value) or value <= 0:
-        raise _bad(name, raw, "a finite number of seconds > 0")
-    return value
+    return _number("CP_SOFTCAP_TIMEOUT", float, lambda x: math.isfinite(x) and x > 0,
+                   "a finite number of seconds > 0", DEFAULT_TIMEOUT_S)
 
 
 def ring_block_keys() -> int:
     """CP_SOFTCAP_RING_BLOCK_KEYS: keys a ring block aims for (default 32768; 0 = one ring step
     per block)."""
-    name, raw = "CP_SOFTCAP_RING_BLOCK_KEYS", _raw("CP_SOFTCAP_RING_BLOCK_KEYS")
-    if not raw:
-        return DEFAULT_RING_BLOCK_KEYS
-    try:
-        value = int(raw)
-    except ValueError:
-        raise _bad(name, raw, "an integer number of keys >= 0") from None
-    if value < 0:
-        raise _bad(name, raw, "an integer number of keys >= 0")
-    return value
+    return _number("CP_SOFTCAP_RING_BLOCK_KEYS", int, lambda x: x >= 0,
+                   "an integer number of keys >= 0", DEFAULT_RING_BLOCK_KEYS)
 
 
 def backend() -> Optional[str]:

@@ -140,12 +140,18 @@ def _attend_backward(dout, q, k, v, out, lse, plan):
                                 window=spec.window)
 
 
-class A2AAttention(torch.autograd.Function):
+def a2a_function(name: str, attend, attend_backward) -> type:
+    """The autograd.Function of an all-to-all scheme whose per-rank attention over the group's
+    whole sequence is attend / attend_backward (one kernel call here; a ring for a2a+p2p)."""
 
-    @staticmethod
     def forward(ctx, q, k, v, plan):
-        return a2a_forward(ctx, q, k, v, plan, _attend)
+        return a2a_forward(ctx, q, k, v, plan, attend)
 
-    @staticmethod
     def backward(ctx, dout):
-        return a2a_backward(ctx, dout, _attend_backward)
+        return a2a_backward(ctx, dout, attend_backward)
+
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+A2AAttention = a2a_function("A2AAttention", _attend, _attend_backward)

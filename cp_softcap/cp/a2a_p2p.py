@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from typing import Tuple
 
-import torch
 import torch.distributed as dist
 
-from .a2a import a2a_backward, a2a_forward
+from .a2a import a2a_function
 from .ring import ring_backward, ring_forward
 
 
@@ -63,12 +62,4 @@ def make_hybrid_groups(group, a2a_size: int):
     return inner, outer
 
 
-class A2AP2PAttention(torch.autograd.Function):
-
-    @staticmethod
-    def forward(ctx, q, k, v, plan):
-        return a2a_forward(ctx, q, k, v, plan, ring_forward)
-
-    @staticmethod
-    def backward(ctx, dout):
-        return a2a_backward(ctx, dout, ring_backward)
+A2AP2PAttention = a2a_function("A2AP2PAttention", ring_forward, ring_backward)

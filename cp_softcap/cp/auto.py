@@ -114,6 +114,24 @@ def _a2a(spec: AttnSpec, ranks: int, n: int, batch: int, g: int) -> Dict[str, in
             "a2a.bwd.dk": piece * hk * d * g, "a2a.bwd.dv": piece * hk * dv * g}
 
 
+def _hybrid(spec: AttnSpec, n: int, batch: int, a2a_size: Optional[int], p: int,
+            block_keys: Optional[int]) -> Optional[List[Dict[str, int]]]:
+    """a2a+p2p: the a2a terms on the inner group (float32 gradients: the outer ring's sums) plus
+    the outer ring's terms for this rank's heads, per CP rank."""
+    cp = spec.cp_size
+    if a2a_size is None or a2a_size < 1 or cp % a2a_size:
+        raise ValueError(f"a2a+p2p needs an a2a_size that divides cp={cp}, got {a2a_size}")
+    if not heads_divide(spec.num_heads, a2a_size):
+        return None
+    e, g = _sizes(spec)
+    inner = {k: v for k, v in _a2a(spec, a2a_size, n, batch, g).items() if v}
+    hk = len(kv_head_index(spec.num_heads, spec.num_kv_heads, a2a_size)[0])
+    kv_outer = batch * hk * (spec.head_dim + spec.head_dim_v)
+    outer = _ring(cp // a2a_size, a2a_size * n // 2, spec.window, kv_outer * e, kv_outer * g,
+                  kv_outer * p, block_keys)
+    return [{**inner, **outer[r // a2a_size]} for r in range(cp)]
+
+
 def sent_per_rank(spec: AttnSpec, seq_len: int, comm: str, batch: int = 1,
                   a2a_size: Optional[int] = None, *, partial_bytes: Optional[int] = None,
                   block_keys: Optional[int] = None) -> Optional[List[Dict[str, int]]]:
@@ -146,16 +164,7 @@ def sent_per_rank(spec: AttnSpec, seq_len: int, comm: str, batch: int = 1,
         ops = {k: v for k, v in _a2a(spec, cp, n, batch, p).items() if v}
         return [dict(ops) for _ in range(cp)]
     if comm == "a2a+p2p":
-        if a2a_size is None or a2a_size < 1 or cp % a2a_size:
-            raise ValueError(f"a2a+p2p needs an a2a_size that divides cp={cp}, got {a2a_size}")
-        if not heads_divide(spec.num_heads, a2a_size):
-            return None
-        inner = {k: v for k, v in _a2a(spec, a2a_size, n, batch, g).items() if v}
-        hk = len(kv_head_index(spec.num_heads, spec.num_kv_heads, a2a_size)[0])
-        kv_outer = batch * hk * (spec.head_dim + spec.head_dim_v)
-        outer = _ring(cp // a2a_size, a2a_size * n // 2, spec.window, kv_outer * e, kv_outer * g,
-                      kv_outer * p, block_keys)
-        return [{**inner, **outer[r // a2a_size]} for r in range(cp)]
+        return _hybrid(spec, n, batch, a2a_size, p, block_keys)
     raise ValueError(f"no byte model for comm={comm!r}; one of {SINGLE_GROUP + ('a2a+p2p',)}")
 
 
