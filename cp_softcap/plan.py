@@ -68,7 +68,8 @@ def _local(**kw):
 @dataclass(frozen=True, eq=False)
 class Plan:
     """One attention call, resolved. Compared across ranks: every field not marked local, and
-    every field of `spec` (see signature())."""
+    every field of `spec` (see signature()); a field that sizes a message belongs here, not in
+    an argument list. batch and local_len are 0 in a single-device plan (nothing is sent)."""
     spec: AttnSpec
     batch: int
     local_len: int                          # this rank's tokens (q, k and v alike)
