@@ -1,5 +1,5 @@
 """Measure what memory.py estimates: one training step's peak tensor memory per rank against the
-plan, with train.py's flags (plus --vocab to widen the tiny config's vocabulary, and
+plan, with train.py's flags (plus --vocab / --set FIELD=INT to change the config, and
 --layers-ac to try a per-layer AC pattern such as full,none = every other layer).
 
     torchrun --nproc-per-node 2 examples/gemma2/memcheck.py --config tiny --seq-len 1024 --ac full
@@ -30,6 +30,8 @@ from gemma2.measure import peak_bytes, tensor_bytes  # noqa: E402
 def _extra(argv):
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--vocab", type=int)
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=INT",
+                   help="override an integer config field, e.g. --set hidden_size=256")
     p.add_argument("--layers-ac", help="comma-separated per-layer AC, repeated over the layers")
     p.add_argument("--loss-only", action="store_true")
     p.add_argument("--tokens", type=int, default=1024, help="--loss-only: tokens (hidden 256, vocab 256000)")
@@ -42,6 +44,7 @@ def step_peak(argv) -> dict:
     args, cfg, world = flags.parse(rest, __doc__)
     if extra.vocab:
         cfg = dataclasses.replace(cfg, vocab_size=extra.vocab)
+    cfg = dataclasses.replace(cfg, **{k: int(v) for k, v in (kv.split("=") for kv in extra.set)})
     job = dataclasses.replace(train.plan_job(args, cfg, world), cfg=cfg)
     d = parallel.init(args.cp, args.device)
     model, opt, tokens = train.build(args, cfg, d)
@@ -62,7 +65,7 @@ def step_peak(argv) -> dict:
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     est = memory.peak(job)
     dist.destroy_process_group()
-    return {"flags": " ".join(rest), "layers_ac": extra.layers_ac, "vocab": cfg.vocab_size,
+    return {"flags": " ".join(rest), "layers_ac": extra.layers_ac, "vocab": cfg.vocab_size, "set": extra.set,
             "measured_mib": worst.item() / 2**20, "estimated_mib": est / 2**20,
             "estimate_over_measured": est / worst.item(), "step_s": min(times)}
 

@@ -105,7 +105,8 @@ def _loss_buffers(job: Job, act: int) -> int:
     from .loss import default_chunk
     v, h = job.cfg.vocab_size, job.cfg.hidden_size
     chunk = min(job.tokens, job.loss_chunk or default_chunk(v))
-    return 3 * chunk * v * 4 + 4 * v * h + (2 * v * h if act == 2 else 0)
+    bf16_copy = 2 * v * h if act == 2 and not job.fsdp else 0     # FSDP gathers it in bf16
+    return 3 * chunk * v * 4 + 4 * v * h + bf16_copy
 
 
 def estimate(job: Job) -> List[Tuple[str, int]]:
@@ -117,8 +118,10 @@ def estimate(job: Job) -> List[Tuple[str, int]]:
     act = 2 if job.dtype == "bfloat16" else 4
     shard = job.world if job.fsdp else 1
     attn_half, mlp_half = _halves(c, act)
-    per_layer = {"none": attn_half + mlp_half, "selective": attn_half + 4 * c.hidden_size,
-                 "full": 4 * c.hidden_size}[job.ac]    # AC keeps a float32 residual per token
+    # the residual stream: float32 (float32 weights), bf16 when FSDP2 gathers bf16 weights
+    res = 2 if act == 2 and job.fsdp else 4
+    per_layer = {"none": attn_half + mlp_half, "selective": attn_half + res * c.hidden_size,
+                 "full": res * c.hidden_size}[job.ac]    # AC keeps the layer's input per token
     recompute = {"none": 0, "selective": mlp_half, "full": attn_half + mlp_half}[job.ac]
     t = job.tokens
     base = [("parameters (float32)", 4 * total // shard),
@@ -128,10 +131,10 @@ def estimate(job: Job) -> List[Tuple[str, int]]:
               ("activations of one layer recomputed (AC)", t * recompute),
               (f"attention buffers ({job.comm})", _attention_buffers(job, act)),
               ("loss slices + tied-embedding gradient", _loss_buffers(job, act))]
-    if act == 2:
+    if act == 2 and not job.fsdp:
         during.append(("bf16 weight copies kept for backward (autocast)", 2 * layer * n_layers))
-    if job.fsdp:
-        during.append(("FSDP2 unsharded embedding + 2 layers", 4 * (root + 2 * layer)))
+    if job.fsdp:       # gathered weights and their grads, and a float32 reduce-scatter input
+        during.append(("FSDP2 unsharded embedding + 2 layers", (2 * res) * (root + 2 * layer) + 4 * layer))
         end = [("gradients (float32, sharded) + embedding reduce-scatter", 4 * total // shard + 4 * root)]
     else:
         end = [("gradients (float32) + all-reduce buffer", 8 * total)]

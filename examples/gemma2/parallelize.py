@@ -30,16 +30,21 @@ def apply_compile(model) -> None:
             setattr(layer, name, torch.compile(getattr(layer, name)))
 
 
-def apply_fsdp(model, d: Dist) -> None:
+def apply_fsdp(model, d: Dist, compute_dtype: torch.dtype = torch.float32) -> None:
     """FSDP2 over all dp x cp ranks (each decoder layer, then the root): parameters, gradients and
-    optimizer state sharded. Gradients are SUMMED, not averaged, as the CP recipe needs."""
+    optimizer state sharded. Gradients are SUMMED, not averaged, as the CP recipe needs.
+
+    With a bf16 compute dtype the layers are gathered in bf16 and gradients reduced in float32
+    (MixedPrecisionPolicy): under autocast alone, every layer's bf16 weight copies would stay
+    alive from forward to backward (2 bytes per parameter of the whole model on every rank)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(d.device.type, (d.world,), mesh_dim_names=("fsdp",))
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)

@@ -66,7 +66,7 @@ def build(args, cfg, d: parallel.Dist):
     if args.compile:
         parallelize.apply_compile(model)
     if args.fsdp:
-        parallelize.apply_fsdp(model, d)
+        parallelize.apply_fsdp(model, d, getattr(torch, flags.compute_dtype(args)))
         model.to_empty(device=d.device)
     model.reset_parameters(args.seed)
     if args.model_dir:
