@@ -325,7 +325,7 @@ class DocSlot:
     """Rank `src`'s local key ranges `ranges` (its send_ranges towards this rank), received at
     ring step `step`, stored back to back from offset `off` of the block's K/V buffers."""
     step: int
-    src: int
+    src: "Ranks"                    # a rank, or an a2a group (tuple of ranks) in a ring of groups
     ranges: Tuple[Tuple[int, int], ...]
     off: int
 
