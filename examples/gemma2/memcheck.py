@@ -4,6 +4,7 @@ plan, with train.py's flags (plus --vocab / --set FIELD=INT to change the config
 
     torchrun --nproc-per-node 2 examples/gemma2/memcheck.py --config tiny --seq-len 1024 --ac full
     python examples/gemma2/memcheck.py --loss-only      # chunked vs full-logits cross-entropy
+    python examples/gemma2/memcheck.py --ac-timing --set hidden_size=256 --set intermediate_size=1024
 
 The step measured is the second one (AdamW's state exists from the first); on CPU the peak comes
 from torch.profiler's allocation records (measure.py), so it counts tensors only.
@@ -34,6 +35,7 @@ def _extra(argv):
                    help="override an integer config field, e.g. --set hidden_size=256")
     p.add_argument("--layers-ac", help="comma-separated per-layer AC, repeated over the layers")
     p.add_argument("--loss-only", action="store_true")
+    p.add_argument("--ac-timing", action="store_true", help="median step time of each AC choice")
     p.add_argument("--tokens", type=int, default=1024, help="--loss-only: tokens (hidden 256, vocab 256000)")
     p.add_argument("--json", help="append the result as one JSON line here (rank 0)")
     return p.parse_known_args(argv)
@@ -70,6 +72,32 @@ def step_peak(argv) -> dict:
             "estimate_over_measured": est / worst.item(), "step_s": min(times)}
 
 
+def ac_timing(argv, rounds: int = 7) -> dict:
+    """Step time of each AC choice, steps interleaved in one process (none, full, selective,
+    every other layer full, then again) so that a busy machine slows them alike; the median."""
+    import statistics
+    extra, rest = _extra(argv)
+    args, cfg, world = flags.parse(rest, __doc__)
+    cfg = dataclasses.replace(cfg, **{k: int(v) for k, v in (kv.split("=") for kv in extra.set)})
+    d = parallel.init(args.cp, args.device)
+    runs = {}
+    for name, pattern in (("none", ["none"]), ("full", ["full"]), ("selective", ["mlp"]),
+                          ("every other layer", ["full", "none"])):
+        model, opt, tokens = train.build(args, cfg, d)
+        for i, layer in enumerate(model.model.layers):
+            layer.ac = pattern[i % len(pattern)]
+        runs[name] = (model, opt, tokens, [])
+    off = torch.autocast(d.device.type, enabled=False)
+    for step in range(rounds + 1):
+        for model, opt, tokens, times in runs.values():
+            t0 = time.perf_counter()
+            train.train_step(model, opt, tokens, step, args, cfg, d, off)
+            if step:                                   # step 0 warms up
+                times.append(time.perf_counter() - t0)
+    dist.destroy_process_group()
+    return {name: statistics.median(r[3]) for name, r in runs.items()}
+
+
 def loss_peak(tokens: int = 1024, hidden: int = 256, vocab: int = 256000) -> dict:
     """The loss alone at Gemma2's vocabulary: full float32 logits vs 256 MiB slices."""
     import torch.nn.functional as F
@@ -98,7 +126,10 @@ def loss_peak(tokens: int = 1024, hidden: int = 256, vocab: int = 256000) -> dic
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     extra, _ = _extra(argv)
-    result = loss_peak(extra.tokens) if extra.loss_only else step_peak(argv)
+    if extra.ac_timing:
+        result = ac_timing(argv)
+    else:
+        result = loss_peak(extra.tokens) if extra.loss_only else step_peak(argv)
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(result), flush=True)
         if extra.json:
