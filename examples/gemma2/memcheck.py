@@ -29,7 +29,7 @@ from gemma2.measure import peak_bytes, tensor_bytes  # noqa: E402
 
 
 def _extra(argv):
-    p = argparse.ArgumentParser(add_help=False)
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)   # --ac is train.py's
     p.add_argument("--vocab", type=int)
     p.add_argument("--set", action="append", default=[], metavar="FIELD=INT",
                    help="override an integer config field, e.g. --set hidden_size=256")
