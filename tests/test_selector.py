@@ -214,6 +214,30 @@ def test_cpu_preference(kw, expected):
     assert select(spec(**kw)).name == expected
 
 
+@pytest.mark.parametrize("cp,comm", [(1, "ring"), (2, "ring"), (2, "all_gather"), (2, "a2a"),
+                                     (4, "a2a+p2p"), (2, "auto")])
+def test_v_head_dim_other_than_qk_never_selects_sdpa_on_cpu(cp, comm):
+    """The CPU SDPA ops need one head size: head_dim_v != head_dim goes to a kernel that serves
+    it, on one device and under every comm type; forcing sdpa names the reason."""
+    s = spec(head_dim=32, head_dim_v=64, cp_size=cp, comm=comm)
+    sel = select(s)
+    assert sel.name == "torch", sel.table()
+    assert "v head dim 64 != q/k head dim 32" in sel.rejected["sdpa"]
+    with pytest.raises(ValueError, match="v head dim 64 != q/k head dim 32"):
+        select(s, "sdpa")
+
+
+def test_v_head_dim_other_than_qk_end_to_end_on_cpu():
+    import cp_softcap as cps
+    from cp_softcap.testing import reference_attention
+    q, k = (torch.randn(1, 16, 2, 8, dtype=torch.float64) * 4 for _ in range(2))
+    v = torch.randn(1, 16, 2, 16, dtype=torch.float64)
+    want = reference_attention(q, k, v, causal=True)[0]
+    got = cps.attention(q.float(), k.float(), v.float())
+    assert got.shape == (1, 16, 2, 16) and torch.isfinite(got).all()
+    assert (got.double() - want).abs().max() < 1e-5
+
+
 def test_backend_env_var_forces(monkeypatch):
     monkeypatch.setenv("CP_SOFTCAP_BACKEND", "torch")
     sel = select(spec())

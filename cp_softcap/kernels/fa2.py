@@ -91,6 +91,9 @@ class FA2Kernel(Kernel):
         reason = common_cuda_reason(spec, "fa2")
         if reason:
             return reason
+        if spec.head_dim_v != spec.head_dim:
+            return (f"v head dim {spec.head_dim_v} != q/k head dim {spec.head_dim}: flash-attn 2 "
+                    "needs one head size")
         arch = cuda_arch()
         if arch < 80:
             return f"flash-attn 2 needs sm80+, this GPU is sm{arch}"

@@ -84,6 +84,9 @@ class SdpaKernel(Kernel):
 
     def probe(self, spec) -> Optional[str]:
         if spec.device_type != "cuda":
+            if spec.head_dim_v != spec.head_dim:   # the CPU SDPA ops need one head size
+                return (f"v head dim {spec.head_dim_v} != q/k head dim {spec.head_dim}: the CPU "
+                        "SDPA ops need one head size")
             return None
         if not torch.cuda.is_available():
             return "sdpa on cuda needs CUDA, and torch.cuda.is_available() is False here"
