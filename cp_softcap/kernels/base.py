@@ -2,12 +2,13 @@
 
 Every kernel (one file each in this package) subclasses `Kernel` and implements:
 
-    forward(q, k, v, *, scale, softcap, window) -> (out, lse)
+    forward(q, k, v, *, scale, softcap, window, segments=None) -> (out, lse)
         q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]   (Hq % Hkv == 0, GQA not expanded)
         out [B, Sq, Hq, Dv] in the input dtype, or float32/float64 (the accumulation dtype) for
         kernels that have it unrounded (torch): callers cast once; lse [B, Hq, Sq] float32
         natural log, contiguous, -inf for a row that sees no key.
-    backward(dout, q, k, v, out, lse, *, scale, softcap, window, dlse=None) -> (dq, dk, dv)
+    backward(dout, q, k, v, out, lse, *, scale, softcap, window, dlse=None, segments=None)
+        -> (dq, dk, dv)
         out/lse are the FINAL merged values of the whole row (exact for ring attention: see
         docs/kernels.md); out may be float32 (the CP merge's accumulator): adapters whose kernel
         needs the input dtype cast it, pure-PyTorch paths use it as is for a more exact
@@ -23,6 +24,20 @@ Every kernel (one file each in this package) subclasses `Kernel` and implements:
         fa4 uses it to cast the float32 O and correct D once instead of per chunk pair, which
         was measured to matter on the GPU (benchmarks/RESULTS.md). Default: unchanged.
 
+`segments` (packed documents) is None, or `Segments(cu_q, cu_k)` (a plain pair of int tuples
+works too): the call's rows and keys split into documents. Segment s is rows [cu_q[s], cu_q[s+1])
+and keys [cu_k[s], cu_k[s+1]) of this call's q and k (relative to the call, as DocCall.cu_q /
+DocCall.cu_k of cp_softcap.doc_geometry: `Segments(call.cu_q, call.cu_k)`). cu_q runs from 0 to Sq
+and cu_k from 0 to Sk (every row and key belongs to a segment); a segment may be empty on either
+side. A row sees only keys of its own segment, under `window` bottom-right aligned PER SEGMENT
+(flash-attn varlen semantics with cu_seqlens_q = cu_q, cu_seqlens_k = cu_k). A row that sees no
+key: out 0, LSE -inf, zero gradients, never NaN. The same segments apply to every batch row;
+kernels whose varlen path packs the batch (flash-attn) need B == 1 and say so. One segment
+(cu_q = (0, Sq), cu_k = (0, Sk)) is exactly the unsegmented call. Only kernels with
+`caps.segments` receive segments (the selector fails closed on `spec.documents`); the others
+raise ValueError for a segments value other than None. Kernel subclasses written without the
+keyword keep working as long as callers pass `segments=` only when it is not None.
+
 `softcap` is None (off) or a positive float applied as cap * tanh(s / cap) to the scaled score.
 `window` is (left, right) in the chunk's own coordinates, flash-attn style (bottom-right aligned):
 local query i sees local key j iff  i + (Sk - Sq) - left <= j <= i + (Sk - Sq) + right,
@@ -34,8 +49,9 @@ Capabilities and probes feed the selector table.
 """
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -43,6 +59,80 @@ from ..spec import AttnSpec, Window, grad_dtype
 
 FULL: Window = (None, None)
 CAUSAL: Window = (None, 0)
+
+
+class Segments(NamedTuple):
+    """Document segments of one kernel call (see the module docstring): `Segments(call.cu_q,
+    call.cu_k)` from a DocCall. A NamedTuple, so a plain (cu_q, cu_k) pair means the same."""
+    cu_q: Tuple[int, ...]
+    cu_k: Tuple[int, ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.cu_q) - 1
+
+    def single(self) -> bool:
+        """One segment: the call is an ordinary chunk-pair call."""
+        return len(self.cu_q) == 2
+
+
+def check_segments(segments, sq: int, sk: int, kernel: str) -> Optional[Segments]:
+    """None, or `segments` as Segments of int tuples after checking it covers Sq rows and Sk
+    keys; ValueError naming what is wrong otherwise (a caller bug, never silently masked)."""
+    if segments is None:
+        return None
+    try:
+        cu_q, cu_k = (tuple(int(x) for x in side) for side in segments)
+    except (TypeError, ValueError):
+        raise ValueError(f"{kernel}: segments must be None or a (cu_q, cu_k) pair of int sequences, "
+                         f"got {segments!r}") from None
+    for name, cu, n in (("cu_q", cu_q, sq), ("cu_k", cu_k, sk)):
+        if len(cu) < 2 or cu[0] != 0 or cu[-1] != n or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"{kernel}: segments.{name}={cu} must rise from 0 to {n} (the call's "
+                             f"{'rows' if name == 'cu_q' else 'keys'}), never decreasing")
+    if len(cu_q) != len(cu_k):
+        raise ValueError(f"{kernel}: segments have {len(cu_q) - 1} row ranges but {len(cu_k) - 1} "
+                         f"key ranges (cu_q={cu_q}, cu_k={cu_k}); one of each per document")
+    return Segments(cu_q, cu_k)
+
+
+def refuse_segments(kernel: "Kernel", segments) -> None:
+    """For kernels without caps.segments: packed calls must never reach them."""
+    if segments is not None:
+        raise ValueError(f"kernel {kernel.name!r} cannot separate packed documents (segments=); "
+                         "the selector routes packed calls to a kernel with that capability")
+
+
+def segment_ids(segments: Segments, device=None):
+    """Per row and per key: (q_seg [Sq], q_pos [Sq], k_seg [Sk], k_pos [Sk]) int64. Row i sees
+    key j iff q_seg[i] == k_seg[j] and q_pos[i] - left <= k_pos[j] <= q_pos[i] + right: positions
+    are in the call's key coordinates, each segment's rows aligned to the END of its keys."""
+    cu_q, cu_k = segments
+    lens_q = torch.tensor([b - a for a, b in zip(cu_q, cu_q[1:])], dtype=torch.int64)
+    lens_k = torch.tensor([b - a for a, b in zip(cu_k, cu_k[1:])], dtype=torch.int64)
+    seg = torch.arange(len(cu_q) - 1, dtype=torch.int64)
+    q_seg = torch.repeat_interleave(seg, lens_q)
+    k_seg = torch.repeat_interleave(seg, lens_k)
+    # row r of segment s sits at key position cu_k[s+1] - (len_q[s] - r)
+    q_end = torch.tensor(cu_k[1:], dtype=torch.int64) - lens_q
+    q_pos = torch.arange(cu_q[-1], dtype=torch.int64) - torch.tensor(cu_q[:-1], dtype=torch.int64)[q_seg] + q_end[q_seg]
+    k_pos = torch.arange(cu_k[-1], dtype=torch.int64)
+    return tuple(t.to(device) for t in (q_seg, q_pos, k_seg, k_pos))
+
+
+def segment_block_visible(segments: Segments, window: Window, q0: int, q1: int, k0: int, k1: int
+                          ) -> bool:
+    """Whether any row in [q0, q1) sees any key in [k0, k1) (exact, host integers only)."""
+    cu_q, cu_k = segments
+    # only segments whose rows meet [q0, q1) and whose keys meet [k0, k1)
+    first = max(bisect_right(cu_q, q0), bisect_right(cu_k, k0)) - 1
+    for s in range(first, min(bisect_left(cu_q, q1), bisect_left(cu_k, k1))):
+        a, b = max(q0, cu_q[s]), min(q1, cu_q[s + 1])
+        c, d = max(k0, cu_k[s]), min(k1, cu_k[s + 1])
+        if a < b and c < d and block_visible(cu_q[s + 1] - cu_q[s], cu_k[s + 1] - cu_k[s], window,
+                                             a - cu_q[s], b - cu_q[s], c - cu_k[s], d - cu_k[s]):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -60,6 +150,7 @@ class Capabilities:
     dlse: bool = False                      # backward accepts a gradient of the LSE
     deterministic_backward: bool = True
     grads_in_input_dtype: bool = False      # backward returns the input dtype (flash-attn family)
+    segments: bool = False                  # serves packed documents (forward/backward segments=)
     notes: Tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -74,12 +165,14 @@ class Kernel:
         return None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                softcap: Optional[float], window: Window) -> Tuple[torch.Tensor, torch.Tensor]:
+                softcap: Optional[float], window: Window, segments: Optional["Segments"] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, *, scale: float, softcap: Optional[float],
-                 window: Window, dlse: Optional[torch.Tensor] = None
+                 window: Window, dlse: Optional[torch.Tensor] = None,
+                 segments: Optional["Segments"] = None
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 

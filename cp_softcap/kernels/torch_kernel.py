@@ -15,6 +15,11 @@ Blocks are shrunk automatically so one score block holds at most `max_block_elem
 (default 2**23, i.e. 32 MiB per temporary), so a 32K x 32K call never builds a 32K x 32K matrix.
 Blocks that the window hides entirely are skipped. K/V are not expanded for GQA: query heads
 are viewed as [Hkv, group] and broadcast against the shared K/V head.
+
+Packed documents (segments=, see base.py): the same blocks, with a document mask built per block
+from per-token segment ids and positions (O(Sq + Sk) integers per call, nothing quadratic);
+blocks where no row sees a key of its own segment are skipped on the host. One segment is the
+unsegmented code path.
 """
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ from typing import Optional, Tuple
 import torch
 
 from ..spec import Window
-from .base import Capabilities, Kernel, block_visible, grad_dtype, visible_mask
+from .base import (Capabilities, Kernel, block_visible, check_segments, grad_dtype,
+                   segment_block_visible, segment_ids, visible_mask)
 
 _NEG_INF = float("-inf")
 
@@ -40,13 +46,43 @@ def _heads_unview(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 3, 1, 2, 4).reshape(b, s, hkv * g, d)
 
 
+class _BlockMasks:
+    """Which (row block, key block) pairs compute, and their visibility masks: the window alone,
+    or the window per document segment."""
+
+    def __init__(self, sq: int, sk: int, window: Window, segments, device):
+        self.sq, self.sk, self.window, self.device = sq, sk, window, device
+        segs = check_segments(segments, sq, sk, "torch")
+        self.segs = None if segs is None or segs.single() else segs
+        if self.segs is not None:
+            self.ids = segment_ids(self.segs, device)
+
+    def block(self, q0: int, q1: int, k0: int, k1: int):
+        """(skip, mask): skip when no row of the block sees a key of it; mask None = all visible."""
+        if self.segs is None:
+            if not block_visible(self.sq, self.sk, self.window, q0, q1, k0, k1):
+                return True, None
+            return False, visible_mask(self.sq, self.sk, self.window, self.device, q0, k0,
+                                       q1 - q0, k1 - k0)
+        if not segment_block_visible(self.segs, self.window, q0, q1, k0, k1):
+            return True, None
+        q_seg, q_pos, k_seg, k_pos = self.ids
+        left, right = self.window
+        mask = q_seg[q0:q1, None] == k_seg[None, k0:k1]
+        if left is not None:
+            mask &= k_pos[None, k0:k1] >= q_pos[q0:q1, None] - left
+        if right is not None:
+            mask &= k_pos[None, k0:k1] <= q_pos[q0:q1, None] + right
+        return False, mask
+
+
 class TorchKernel(Kernel):
     name = "torch"
     caps = Capabilities(
         softcap=True, window=True, gqa=True,
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
         devices=frozenset({"cpu", "cuda"}), backward_devices=frozenset({"cpu", "cuda"}),
-        cp=True, dlse=True, deterministic_backward=True,
+        cp=True, dlse=True, deterministic_backward=True, segments=True,
         notes=("reference-grade; blocked online softmax, bounded memory",))
 
     def __init__(self, block_q: int = 1024, block_k: int = 1024, max_block_elems: int = 1 << 23):
@@ -74,9 +110,11 @@ class TorchKernel(Kernel):
             z = z.masked_fill(~mask, _NEG_INF)
         return z, t
 
-    def forward(self, q, k, v, *, scale: float, softcap: Optional[float], window: Window):
+    def forward(self, q, k, v, *, scale: float, softcap: Optional[float], window: Window,
+                segments=None):
         b, sq, hq, _ = q.shape
         sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+        masks = _BlockMasks(sq, sk, window, segments, q.device)
         acc = grad_dtype(q.dtype)
         qh, kh, vh = _heads_view(q, hkv), k.permute(0, 2, 1, 3).unsqueeze(2), v.permute(0, 2, 1, 3).unsqueeze(2)
         g = hq // hkv
@@ -91,9 +129,9 @@ class TorchKernel(Kernel):
             o = torch.zeros(b, hkv, g, q1 - q0, dv, dtype=acc, device=q.device)
             for k0 in range(0, sk, bk):
                 k1 = min(k0 + bk, sk)
-                if not block_visible(sq, sk, window, q0, q1, k0, k1):
+                skip, mask = masks.block(q0, q1, k0, k1)
+                if skip:
                     continue
-                mask = visible_mask(sq, sk, window, q.device, q0, k0, q1 - q0, k1 - k0)
                 z, _ = self._scores(qb, kh[:, :, :, k0:k1].to(acc), scale, softcap, mask)
                 m_new = torch.maximum(m, z.amax(-1))
                 m_safe = torch.where(m_new == _NEG_INF, torch.zeros_like(m_new), m_new)
@@ -111,9 +149,10 @@ class TorchKernel(Kernel):
         return _heads_unview(out), lse_out
 
     def backward(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
-                 window: Window, dlse: Optional[torch.Tensor] = None):
+                 window: Window, dlse: Optional[torch.Tensor] = None, segments=None):
         b, sq, hq, d = q.shape
         sk, hkv = k.shape[1], k.shape[2]
+        masks = _BlockMasks(sq, sk, window, segments, q.device)
         g = hq // hkv
         acc = grad_dtype(q.dtype)
         qh = _heads_view(q, hkv)
@@ -134,9 +173,9 @@ class TorchKernel(Kernel):
             lb, db = lse_safe[:, :, :, q0:q1].unsqueeze(-1), delta[:, :, :, q0:q1].unsqueeze(-1)
             for k0 in range(0, sk, bk):
                 k1 = min(k0 + bk, sk)
-                if not block_visible(sq, sk, window, q0, q1, k0, k1):
+                skip, mask = masks.block(q0, q1, k0, k1)
+                if skip:
                     continue
-                mask = visible_mask(sq, sk, window, q.device, q0, k0, q1 - q0, k1 - k0)
                 kb, vb = kh[:, :, :, k0:k1].to(acc), vh[:, :, :, k0:k1].to(acc)
                 z, t = self._scores(qb, kb, scale, softcap, mask)
                 p = torch.exp(z - lb)                       # rows with lse=-inf use +inf -> p = 0
