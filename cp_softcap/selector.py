@@ -63,6 +63,12 @@ RULES: Tuple[Rule, ...] = (
                       "path cannot carry the softcap"),
     Rule(("*",), lambda s, k: s.cp_size > 1 and not k.caps.cp,
          lambda s, k: f"excluded under context parallelism (cp={s.cp_size})"),
+    # packed documents: before the generic row, so that sdpa is refused with its own reason
+    Rule(("sdpa",), lambda s, k: s.documents,
+         lambda s, k: "cannot separate packed documents: PyTorch SDPA has no variable-length "
+                      "path that returns the LSE"),
+    Rule(("*",), lambda s, k: s.documents and not k.caps.segments,
+         lambda s, k: "cannot separate packed documents (no segments= support)"),
     Rule(("*",), lambda s, k: s.return_lse and s.needs_backward and not k.caps.dlse,
          lambda s, k: "cannot back-propagate through the returned LSE (no dLSE input)"),
     Rule(("*",), lambda s, k: s.deterministic and s.needs_backward and not k.caps.deterministic_backward,

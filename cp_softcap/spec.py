@@ -144,6 +144,7 @@ class AttnSpec:
     comm: str = "ring"
     return_lse: bool = False
     deterministic: bool = False
+    documents: bool = False         # packed documents: kernels get segments= (caps.segments)
 
     @property
     def gqa(self) -> bool:
@@ -159,14 +160,14 @@ class AttnSpec:
         return (f"softcap={self.softcap} causal={self.causal} window={self.window} "
                 f"heads={self.num_heads}/{self.num_kv_heads} head_dim={self.head_dim} "
                 f"dtype={str(self.dtype).replace('torch.', '')} device={self.device_type} "
-                f"cp={self.cp_size} comm={self.comm}")
+                f"cp={self.cp_size} comm={self.comm}" + (" packed-documents" if self.documents else ""))
 
 
 def make_spec(*, head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype,
               device_type: str, softcap=None, causal: bool = False, window=None, scale=None,
               dropout: float = 0.0, needs_backward: bool = True, cp_size: int = 1,
               comm: str = "ring", head_dim_v: Optional[int] = None,
-              return_lse: bool = False) -> AttnSpec:
+              return_lse: bool = False, documents: bool = False) -> AttnSpec:
     """Validate user-facing options and build an AttnSpec. Raises ValueError/TypeError."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
@@ -197,7 +198,7 @@ def make_spec(*, head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.
                     device_type=device_type, scale=normalize_scale(scale, head_dim), softcap=softcap,
                     causal=causal, window=normalize_window(window, causal), dropout=float(dropout),
                     needs_backward=bool(needs_backward), cp_size=cp_size, comm=comm,
-                    return_lse=bool(return_lse),
+                    return_lse=bool(return_lse), documents=bool(documents),
                     deterministic=torch.are_deterministic_algorithms_enabled())
 
 

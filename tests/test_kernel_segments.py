@@ -75,3 +75,19 @@ def test_stream_calls_of_a_packed_stream():
             if c.segments > 1:
                 check_segmented(SMALL_BLOCKS, (c.cu_q, c.cu_k), c.window, softcap=30.0,
                                 dtype=torch.float64)
+
+
+def test_selector_routes_packed_calls_to_segment_kernels():
+    from cp_softcap.selector import clear_cache, select
+    from cp_softcap.spec import make_spec
+    clear_cache()
+    spec = make_spec(head_dim=16, num_heads=4, num_kv_heads=2, dtype=torch.float32,
+                     device_type="cpu", softcap=None, causal=True, documents=True)
+    sel = select(spec)
+    assert sel.name == "torch" and "packed-documents" in spec.describe()
+    assert "no variable-length path" in sel.rejected["sdpa"]
+    with pytest.raises(ValueError, match="cannot separate packed documents"):
+        select(spec, backend="sdpa")
+    # without documents, sdpa (no softcap) stays first on CPU
+    assert select(make_spec(head_dim=16, num_heads=4, num_kv_heads=2, dtype=torch.float32,
+                            device_type="cpu", causal=True)).name == "sdpa"

@@ -87,6 +87,10 @@ RULE_CASES = [
      "CP_SOFTCAP_FA3=1"),
     ("fa3_never_cp", "fa3", dict(), dict(device_type="cuda", cp_size=8), dict(device_type="cuda"),
      {"trigger": "1", "clean": "1"}, "not under context parallelism (cp=8): FA3's context-parallel path cannot carry the softcap"),
+    ("sdpa_no_varlen", "sdpa", dict(segments=True), dict(documents=True), dict(), {},
+     "PyTorch SDPA has no variable-length path that returns the LSE"),
+    ("segments", "torch", dict(segments=False), dict(documents=True), dict(), {},
+     "cannot separate packed documents (no segments= support)"),
 ]
 
 

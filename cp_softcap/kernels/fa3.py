@@ -24,7 +24,7 @@ from ..settings import fa3_enabled
 from ..spec import Window
 from ._common import (common_cuda_reason, cuda_arch, empty_result, fa2_lse, fa_window,
                       missing_params, softcap_value, try_import)
-from .base import Capabilities, Kernel
+from .base import Capabilities, Kernel, refuse_segments
 
 _MODULE = "flash_attn_interface"
 INSTALL_HINT = "build flash-attention's hopper/ package (dist flash_attn_3) for sm90"
@@ -129,8 +129,10 @@ class FA3Kernel(Kernel):
         except Exception as e:
             return f"FA3 self-test failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
 
-    def forward(self, q, k, v, *, scale: float, softcap: Optional[float], window: Window):
+    def forward(self, q, k, v, *, scale: float, softcap: Optional[float], window: Window,
+                segments=None):
         """q [B,Sq,Hq,D], k/v [B,Sk,Hkv,D] -> out [B,Sq,Hq,Dv], lse [B,Hq,Sq] fp32."""
+        refuse_segments(self, segments)
         if q.shape[1] == 0 or k.shape[1] == 0:
             return empty_result(q, v)
         if self._interface() is None:
@@ -141,8 +143,9 @@ class FA3Kernel(Kernel):
         return res[0], fa2_lse(res[1])
 
     def backward(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
-                        window: Window, dlse: Optional[torch.Tensor] = None):
+                        window: Window, dlse: Optional[torch.Tensor] = None, segments=None):
         """(dq, dk, dv) in the input dtype given the final out/lse (no dLSE in FA3)."""
+        refuse_segments(self, segments)
         if dlse is not None:
             raise ValueError("fa3 has no LSE gradient; the selector should not pick it when the "
                              "returned LSE is differentiated")

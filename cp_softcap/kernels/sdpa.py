@@ -22,7 +22,7 @@ import torch
 from ..settings import sdpa_op
 from ..spec import Window
 from . import sdpa_cuda
-from .base import Capabilities, Kernel, grad_dtype, visible_mask
+from .base import Capabilities, Kernel, grad_dtype, refuse_segments, visible_mask
 
 _NEG_INF = float("-inf")
 
@@ -101,7 +101,9 @@ class SdpaKernel(Kernel):
         if window not in ((None, None), (None, 0)):
             raise ValueError(f"sdpa kernel serves only full or causal windows, got {window}")
 
-    def forward(self, q, k, v, *, scale: float, softcap: Optional[float], window: Window):
+    def forward(self, q, k, v, *, scale: float, softcap: Optional[float], window: Window,
+                segments=None):
+        refuse_segments(self, segments)
         self._check(softcap, window)
         if q.is_cuda:
             return self._cuda_forward(q, k, v, scale, window)
@@ -127,7 +129,8 @@ class SdpaKernel(Kernel):
         return torch.zeros(sq, sk, dtype=q.dtype, device=q.device).masked_fill(~vis, _NEG_INF)
 
     def backward(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
-                 window: Window, dlse: Optional[torch.Tensor] = None):
+                 window: Window, dlse: Optional[torch.Tensor] = None, segments=None):
+        refuse_segments(self, segments)
         self._check(softcap, window)
         if dlse is not None:
             raise ValueError("sdpa kernel has no LSE gradient; the selector should not pick it "
