@@ -5,6 +5,9 @@ softcap  -> score_mod `cap * tanh(score / cap)` (flex passes the already scaled 
 window   -> a block mask built once per chunk-pair geometry (Sq, Sk, left, right, device) and
             cached. The mask_mod reads its offsets (shift = Sk - Sq, left, right) from 0-d int
             tensors, so a new geometry builds a new block mask but never recompiles the kernel.
+segments -> (packed documents) a mask_mod over per-token segment ids and positions
+            (base.segment_ids): same segment and the window per segment. One BlockMask per
+            (segments, window, Sq, Sk, device), cached in a bounded FIFO.
 GQA      -> enable_gqa=True (K/V not expanded).
 Layout   -> flex wants [B, H, S, D]; we transpose views at the edge (no copies).
 
@@ -26,7 +29,7 @@ import torch
 
 from ..spec import Window
 from ._common import empty_result, try_import, zero_grads
-from .base import Capabilities, Kernel, grad_dtype
+from .base import Capabilities, Kernel, check_segments, grad_dtype, segment_ids
 
 _NEG_INF = float("-inf")
 
@@ -77,13 +80,28 @@ def geometry_mask_mod(sq: int, sk: int, window: Window, device):
     return window_mask
 
 
+def segment_mask_mod(segments, window: Window, device):
+    """mask_mod for a call split into document segments (kernel contract, base.py): row q sees
+    key k iff same segment and the window holds between k and q's position in key coordinates."""
+    q_seg, q_pos, k_seg, _ = segment_ids(segments, device)
+    left, right = window
+    big = segments.cu_q[-1] + segments.cu_k[-1] + 1         # an unbounded side never binds
+    lo = torch.tensor(big if left is None else left, device=device)
+    hi = torch.tensor(big if right is None else right, device=device)
+
+    def document_mask(b, h, q_idx, kv_idx):
+        p = q_pos[q_idx]
+        return (q_seg[q_idx] == k_seg[kv_idx]) & (kv_idx >= p - lo) & (kv_idx <= p + hi)
+    return document_mask
+
+
 class FlexKernel(Kernel):
     name = "flex"
     caps = Capabilities(
         softcap=True, window=True, gqa=True,
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         devices=frozenset({"cpu", "cuda"}), backward_devices=frozenset({"cuda"}),
-        max_head_dim=256, cp=True, dlse=True, deterministic_backward=False,
+        max_head_dim=256, cp=True, dlse=True, deterministic_backward=False, segments=True,
         notes=("torch.compile on CUDA: one compile per distinct softcap value and shape",
                "backward recomputes the chunk forward (exact final-LSE reweighting)"))
 
@@ -141,51 +159,56 @@ class FlexKernel(Kernel):
             self._score_mods[softcap] = softcap_mod
         return self._score_mods[softcap]
 
-    def block_mask(self, sq: int, sk: int, window: Window, device):
-        """Cached BlockMask for an Sq x Sk pair under the bottom-right `window` (None = full)."""
-        if window == (None, None):
+    def block_mask(self, sq: int, sk: int, window: Window, device, segments=None):
+        """Cached BlockMask for an Sq x Sk pair under the bottom-right `window`, per document
+        segment when `segments` has more than one (None = everything visible)."""
+        segs = check_segments(segments, sq, sk, "flex")
+        if segs is not None and segs.single():
+            segs = None
+        if window == (None, None) and segs is None:
             return None
-        key = (sq, sk, window, str(device))
+        key = (sq, sk, window, str(device), segs)
         if key not in self._masks:
             if len(self._masks) >= 256:
                 self._masks.pop(next(iter(self._masks)))
             self._load()
-            self._masks[key] = self._create_block_mask(geometry_mask_mod(sq, sk, window, device),
-                                                       None, None, sq, sk,
-                                                       device=device, _compile=device.type == "cuda")
+            mod = (geometry_mask_mod(sq, sk, window, device) if segs is None
+                   else segment_mask_mod(segs, window, device))
+            self._masks[key] = self._create_block_mask(mod, None, None, sq, sk, device=device,
+                                                       _compile=device.type == "cuda")
         return self._masks[key]
 
-    def _call(self, q, k, v, scale, softcap, window):
+    def _call(self, q, k, v, scale, softcap, window, segments=None):
         """[B,S,H,D] in -> (out [B,Sq,Hq,Dv], lse [B,Hq,Sq] fp32), differentiable on CUDA."""
         sq, sk = q.shape[1], k.shape[1]
         fn = self._fn(q.device)
         out, lse = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                       score_mod=self._score_mod(softcap),
-                      block_mask=self.block_mask(sq, sk, window, q.device), scale=scale,
+                      block_mask=self.block_mask(sq, sk, window, q.device, segments), scale=scale,
                       enable_gqa=q.shape[2] != k.shape[2], **self._lse_kw)
         if not isinstance(lse, torch.Tensor):
             lse = lse.lse                                   # AuxOutput
         return out.transpose(1, 2), lse
 
-    def forward(self, q, k, v, *, scale: float, softcap: Optional[float], window: Window
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q, k, v, *, scale: float, softcap: Optional[float], window: Window,
+                segments=None) -> Tuple[torch.Tensor, torch.Tensor]:
         if q.shape[1] == 0 or k.shape[1] == 0:
             return empty_result(q, v)
         with torch.no_grad():
-            out, lse = self._call(q, k, v, scale, softcap, window)
+            out, lse = self._call(q, k, v, scale, softcap, window, segments)
         return out, lse.float().contiguous()
 
     def backward(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
-                 window: Window, dlse: Optional[torch.Tensor] = None):
+                 window: Window, dlse: Optional[torch.Tensor] = None, segments=None):
         """float32 (dq, dk, dv) under the final merged (out, lse); recomputes the chunk forward."""
         if q.shape[1] == 0 or k.shape[1] == 0:
             return zero_grads(q, k, v)
-        if q.device.type != "cuda":
+        if q.device.type != "cuda" and self._fn(q.device) is self._load():
             raise NotImplementedError("flex has no CPU backward; the selector uses the torch "
                                       "kernel there (caps.backward_devices={'cuda'})")
         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
         with torch.enable_grad():
-            out_c, lse_c = self._call(qg, kg, vg, scale, softcap, window)
+            out_c, lse_c = self._call(qg, kg, vg, scale, softcap, window, segments)
             dout_p, dlse_p = reweighted_grads_inputs(dout, out_c.detach(), lse_c.detach(), out,
                                                      lse, dlse)
             dq, dk, dv = torch.autograd.grad((out_c, lse_c), (qg, kg, vg),
