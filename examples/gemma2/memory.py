@@ -135,7 +135,7 @@ def estimate(job: Job) -> List[Tuple[str, int]]:
         during.append(("bf16 weight copies kept for backward (autocast)", 2 * layer * n_layers))
     if job.fsdp:       # gathered weights and their grads, and a float32 reduce-scatter input
         during.append(("FSDP2 unsharded embedding + 2 layers", (2 * res) * (root + 2 * layer) + 4 * layer))
-        end = [("gradients (float32, sharded) + embedding reduce-scatter", 4 * total // shard + 4 * root)]
+        end = [("gradients (sharded) + embedding reduce-scatter", 4 * total // shard + 4 * root)]
     else:
         end = [("gradients (float32) + all-reduce buffer", 8 * total)]
     rows = [(f"{name} [step]", b) for name, b in during] + [(f"{name} [end]", b) for name, b in end]

@@ -47,7 +47,8 @@ def check_memory(args, job: memory.Job) -> None:
     estimate does not fit the device."""
     limit = memory.device_memory(job.device_type, flags.local_world(), args.device_mem_gib)
     if args.plan:
-        print(memory.render(job, limit), flush=True)
+        verdict = memory.check(job, limit)
+        print(memory.render(job, limit) + "\n" + (f"does not fit: {verdict}" if verdict else "fits"), flush=True)
         sys.exit(0)
     refusal = None if args.skip_memory_check else memory.check(job, limit)
     if refusal:
