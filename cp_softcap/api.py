@@ -14,6 +14,7 @@ import torch
 from .cp.a2a import A2AAttention
 from .cp.a2a_p2p import A2AP2PAttention
 from .cp.all_gather import AllGatherAttention
+from .cp.guard import autocast_off
 from .cp.ring import RingAttention
 from .export import export_attention, is_exporting
 from .plan import Backend, local_plan, plan_for, resolve_groups, spec_for
@@ -27,6 +28,7 @@ class _LocalAttention(torch.autograd.Function):
     """One kernel call on one device; the plan holds the kernel, scale, softcap and window."""
 
     @staticmethod
+    @autocast_off
     def forward(ctx, q, k, v, plan):
         spec = plan.spec
         out, lse = plan.kernel.forward(q, k, v, scale=spec.scale, softcap=spec.softcap,
@@ -39,6 +41,7 @@ class _LocalAttention(torch.autograd.Function):
         return out.to(q.dtype), lse
 
     @staticmethod
+    @autocast_off
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         spec = ctx.plan.spec

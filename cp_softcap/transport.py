@@ -2,6 +2,16 @@
 turn a missing rank into an error, host staging for gloo + CUDA, byte counters, and the check
 that every rank of a group makes the same call.
 
+Messages of different calls never match: inside a CP call (`in_call`) every point-to-point
+message is tagged with the call's sequence number, direction, signature digest and operation,
+so a rank that skipped a backward, or diverged into another call, is never handed the
+messages of a different call: its receives wait and fail with the timeout error below instead
+of receiving mis-sized data (which gloo answers by aborting the process). gloo honours tags;
+NCCL matches point-to-point messages in posting order and ignores them.
+
+Every wait is bounded by CP_SOFTCAP_TIMEOUT. Reduce-scatter is an all-to-all plus a local sum
+in rank order: gloo's reduce_scatter ignores the wait's timeout (measured, torch 2.13).
+
 gloo cannot send CUDA tensors point-to-point, so when the group's backend is gloo and tensors
 live on CUDA, sends copy to host first and receives land in host buffers copied back after the
 wait (a debug/testing mode that lets several ranks share one GPU; NCCL is the production path).
@@ -9,10 +19,14 @@ wait (a debug/testing mode that lets several ranks share one GPU; NCCL is the pr
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import hashlib
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -51,6 +65,46 @@ def count(op: str, tensor: torch.Tensor) -> None:
         c.add(op, tensor)
 
 
+@dataclass(frozen=True)
+class Call:
+    """One CP call as its messages name it: the per-group sequence number, the direction and
+    the digest of the plan's signature (the same on every rank of a call made alike)."""
+    seq: int
+    phase: str          # "forward" | "backward"
+    digest: str
+
+    def tag(self, op: str) -> int:
+        """A point-to-point tag for `op` in this call (31 bits: gloo's tags are C ints)."""
+        key = f"{self.digest}|{self.seq}|{self.phase}|{op}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "big") >> 1
+
+    def text(self) -> str:
+        return f"{self.phase} of call {self.seq}"
+
+
+_CALL: ContextVar = ContextVar("cp_softcap_call", default=None)
+
+
+@contextmanager
+def in_call(call: Call):
+    """Tag the messages sent inside the block with `call` (see the module docstring)."""
+    token = _CALL.set(call)
+    try:
+        yield
+    finally:
+        _CALL.reset(token)
+
+
+def current_call() -> Optional[Call]:
+    return _CALL.get()
+
+
+def digest(fields: Sequence[Tuple[str, str]]) -> str:
+    """A digest of (name, value) rows, equal on two ranks iff (almost surely) the rows are."""
+    text = "\x1f".join(f"{n}\x1e{v}" for n, v in fields)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
 def needs_staging(group, tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and dist.get_backend(group) == "gloo"
 
@@ -68,10 +122,15 @@ def wait(work, op: str, group) -> None:
 
 def _timeout_message(op: str, group, limit: float, cause) -> str:
     rank = dist.get_rank(group)
-    return (f"cp_softcap: {op} on CP rank {rank} (global rank {dist.get_rank()}) failed or timed out "
-            f"after {limit:.0f}s ({cause}). A peer rank probably died, stalled, or did not call the "
-            "same attention layer; every rank of the CP group must call it in the same order with "
-            "the same shapes. Raise CP_SOFTCAP_TIMEOUT if the peers are just slow.")
+    call = current_call()
+    where = f" in the {call.text()} on this group" if call is not None else ""
+    return (f"cp_softcap: {op}{where} on CP rank {rank} (global rank {dist.get_rank()}) failed or "
+            f"timed out after {limit:g}s ({cause}). A peer rank probably died, stalled, skipped "
+            "a forward or backward, or made a different call (its messages carry its own call "
+            "number and signature, so they are never taken for this call's); every rank of the CP "
+            "group must call the same attention layers in the same order with the same shapes and "
+            "options. Raise CP_SOFTCAP_TIMEOUT if the peers are just slow. After this error the "
+            "group is out of step: see README, 'Bad inputs and failure behaviour'.")
 
 
 class Exchange:
@@ -82,6 +141,8 @@ class Exchange:
 
     def __init__(self, group, op: str):
         self.group, self.op = group, op
+        call = current_call()
+        self.tag = 0 if call is None else call.tag(op)
         self.ops: list = []
         self.works: list = []
         self._copies: list = []          # (target, temporary) pairs to copy after the wait
@@ -92,7 +153,8 @@ class Exchange:
         buf = buf.cpu() if needs_staging(self.group, buf) else buf.contiguous()
         self._keep_alive.append(buf)
         count(self.op, buf)
-        self.ops.append(dist.P2POp(dist.isend, buf, dist.get_global_rank(self.group, peer), self.group))
+        self.ops.append(dist.P2POp(dist.isend, buf, dist.get_global_rank(self.group, peer), self.group,
+                                   self.tag))
         return self
 
     def recv(self, target: torch.Tensor, peer: int) -> "Exchange":
@@ -104,7 +166,8 @@ class Exchange:
             buf = target
         if buf is not target:
             self._copies.append((target, buf))
-        self.ops.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(self.group, peer), self.group))
+        self.ops.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(self.group, peer), self.group,
+                                   self.tag))
         return self
 
     def start(self) -> "Exchange":
@@ -124,7 +187,6 @@ class Exchange:
 # torch >= 2.13 renamed the tensor collectives; older releases have only the old names.
 # Same signatures.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_gather(x: torch.Tensor, group, op: str, async_op: bool = False):
@@ -141,12 +203,14 @@ def all_gather(x: torch.Tensor, group, op: str, async_op: bool = False):
 
 
 def reduce_scatter(x: torch.Tensor, group, op: str) -> torch.Tensor:
-    """[cp, ...] summed over ranks; this rank gets slot `rank`."""
-    cp = dist.get_world_size(group)
-    out = torch.empty(x[0].numel(), dtype=x.dtype, device=x.device)
-    count_bytes(op, x[0], cp - 1)
-    wait(_reduce_scatter_single(out, x.contiguous().view(-1), group=group, async_op=True), op, group)
-    return out.view(x.shape[1:])
+    """[cp, ...] summed over ranks; this rank gets slot `rank`. An all-to-all (the same bytes
+    as a reduce-scatter) and a sum in rank order: deterministic, and bounded by the timeout on
+    every backend."""
+    parts = all_to_all(x, group, op)
+    out = parts[0].clone()
+    for part in parts[1:]:
+        out += part
+    return out
 
 
 def all_to_all(x: torch.Tensor, group, op: str) -> torch.Tensor:
@@ -164,31 +228,53 @@ def count_bytes(op: str, piece: torch.Tensor, times: int) -> None:
         c.sent[op] += piece.numel() * piece.element_size() * times
 
 
-def _code(value: str) -> float:
-    """A 52-bit digest of `value`: exact in float64, so one small all_gather compares any fields."""
-    return float(int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(), "big") >> 12)
+def _code(fields: Sequence[Tuple[str, str]]) -> float:
+    """A 52-bit digest of all `fields`: exact in float64."""
+    return float(int(digest(fields), 16) >> 12)
 
 
-def check_agreement(group, fields: Sequence[Tuple[str, str]], device, what: str) -> None:
+SAME_CALL_HINT = ("Every CP rank must pass shards of the same shape, dtype and options, and select "
+                  "the same kernel (same packages installed; or force one with backend=).")
+
+
+def check_agreement(group, fields: Sequence[Tuple[str, str]], device, what: str,
+                    hint: str = SAME_CALL_HINT) -> None:
     """Raise ValueError on every rank of `group` unless every rank passed the same `fields`
-    ((name, value as text) pairs, in the same order). The message names each field that
-    differs with every rank's value. One all_gather of digests; the texts travel only when
-    something differs (every rank then sees the same table, so all take that path together)."""
-    mine = torch.tensor([_code(value) for _, value in fields], dtype=torch.float64, device=device)
+    ((name, value as text) pairs). The message names each field that differs with every
+    rank's value. One all_gather of one digest (the same size on every rank whatever the
+    fields); the texts travel only when a digest differs (every rank then sees the same table,
+    so all take that path together)."""
+    mine = torch.tensor([_code(fields)], dtype=torch.float64, device=device)
     cp = dist.get_world_size(group)
     everyone = [torch.empty_like(mine) for _ in range(cp)]
     wait(dist.all_gather(everyone, mine, group=group, async_op=True), what, group)
-    table = torch.stack(everyone).cpu()
+    table = torch.cat(everyone).cpu()
     if bool((table == table[0]).all()):
         return
-    texts: list = [None] * cp
-    dist.all_gather_object(texts, [value for _, value in fields], group=group)
+    texts = _gather_objects(dict(fields), group, device, what)
+    names = list(dict.fromkeys(n for t in texts for n in t))
     diffs = []
-    for col, (name, _) in enumerate(fields):
-        if not bool((table[:, col] == table[0, col]).all()):
-            per_rank = ", ".join(f"rank {r}: {texts[r][col]}" for r in range(cp))
+    for name in names:
+        values = [t.get(name, "(absent)") for t in texts]
+        if any(v != values[0] for v in values):
+            per_rank = ", ".join(f"rank {r}: {values[r]}" for r in range(cp))
             diffs.append(f"{name} differs ({per_rank})")
     raise ValueError(f"cp_softcap: the ranks of the CP group called attention differently "
-                     f"(seen on rank {dist.get_rank(group)}): " + "; ".join(diffs) +
-                     ". Every CP rank must pass shards of the same shape, dtype and options, and "
-                     "select the same kernel (same packages installed; or force one with backend=).")
+                     f"(seen on rank {dist.get_rank(group)}): " + "; ".join(diffs or ["(digest only)"])
+                     + ". " + hint)
+
+
+def _gather_objects(obj, group, device, what: str) -> list:
+    """Every rank's `obj` (picklable), like all_gather_object but with each wait bounded by
+    the timeout: lengths first, then the pickles as uint8 tensors padded to the longest."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    cp = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(cp)]
+    mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    wait(dist.all_gather(sizes, mine, group=group, async_op=True), what, group)
+    lengths = [int(t.item()) for t in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    bufs = [torch.empty_like(padded) for _ in range(cp)]
+    wait(dist.all_gather(bufs, padded, group=group, async_op=True), what, group)
+    return [pickle.loads(b[:n].cpu().numpy().tobytes()) for b, n in zip(bufs, lengths)]

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ..spec import grad_dtype
 from ..transport import all_to_all
+from .guard import guarded
 
 
 def heads_divide(num_heads: int, ranks: int) -> bool:
@@ -150,8 +151,8 @@ def a2a_function(name: str, attend, attend_backward) -> type:
     def backward(ctx, dout):
         return a2a_backward(ctx, dout, attend_backward)
 
-    return type(name, (torch.autograd.Function,),
-                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    return guarded(type(name, (torch.autograd.Function,),
+                        {"forward": staticmethod(forward), "backward": staticmethod(backward)}))
 
 
 A2AAttention = a2a_function("A2AAttention", _attend, _attend_backward)

@@ -17,6 +17,7 @@ from ..layout import plan_pair
 from ..spec import grad_dtype
 from ..transport import all_gather, reduce_scatter, wait
 from .grad_accum import GradAccumulator
+from .guard import guarded
 from .packing import pack, unpack
 
 
@@ -69,6 +70,7 @@ def _chunk_calls(cp: int, rank: int, chunk: int, window):
     return out
 
 
+@guarded
 class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod

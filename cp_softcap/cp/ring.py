@@ -35,6 +35,7 @@ from ..merge import merge_into, new_accumulator
 from ..spec import grad_dtype
 from ..transport import Exchange
 from .grad_accum import GradAccumulator
+from .guard import guarded
 
 
 class _Block:
@@ -164,6 +165,7 @@ class _GradReturn:
             dv.add(k0, k1, rv)
 
 
+@guarded
 class RingAttention(torch.autograd.Function):
 
     @staticmethod

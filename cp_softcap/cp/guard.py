@@ -1,0 +1,135 @@
+"""What every CP autograd.Function does around its forward and backward (`guarded`).
+
+* Precision: the library decides it. Forward and backward run with autocast disabled, so a
+  call inside `torch.autocast` computes exactly what it computes outside (kernels get the
+  tensors' own dtype; the merge and the gradient sums stay float32). Callers under autocast
+  get their bf16/fp16 activations attended in bf16/fp16, with float32 accumulation.
+* Call identity: each forward takes the next sequence number of its group(s); the backward
+  reuses it. Point-to-point messages are tagged with (sequence number, direction, signature
+  digest, op) (transport.in_call), so messages of different calls never match. On gloo the
+  collective algorithms (all_gather, a2a, a2a+p2p's all-to-all), whose messages carry no tag,
+  compare (call, direction, signature) across the group at the start of the forward and of
+  the backward: one all_gather of one number, so a rank that skipped a backward or diverged
+  into another call fails at once on every rank with every rank's value. On NCCL that check
+  would cost a host sync per call and is left to CP_SOFTCAP_CHECK_EVERY_CALL=1.
+* Double backward: the gradients a CP backward returns under create_graph=True are wrapped in
+  a node that raises when differentiated (at the first double backward, before any message of
+  it is sent, so every rank raises and none waits). Differentiating through the gradients
+  exactly would need the backward's own communication to be differentiable; first-order
+  gradients under create_graph=True stay exact.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from contextlib import ExitStack
+
+import torch
+import torch.distributed as dist
+
+from ..transport import Call, check_agreement, digest, in_call
+
+DOUBLE_BACKWARD = (
+    "cp_softcap: double backward through context-parallel attention is not supported (a loss "
+    "that differentiates gradients of a CP call, e.g. a gradient penalty taken with "
+    "torch.autograd.grad(..., create_graph=True)); the first-order gradients are exact. Compute "
+    "the penalty without CP (group=None on gathered inputs) or drop it.")
+
+CALL_HINT = ("The ranks are in different attention calls: one rank skipped a forward or backward "
+             "(e.g. a skip-this-batch handler on one rank only) or the ranks' calls diverged. "
+             "Every CP rank must make the same calls in the same order.")
+
+_SEQ: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_ROWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _groups(plan) -> tuple:
+    return tuple(g for g in ((plan.heads and plan.heads.group), (plan.zigzag and plan.zigzag.group))
+                 if g is not None)
+
+
+def _next_seq(plan) -> int:
+    groups = _groups(plan)
+    per_group = _SEQ.setdefault(groups[0], {})
+    per_group[groups[1:]] = per_group.get(groups[1:], 0) + 1
+    return per_group[groups[1:]]
+
+
+def _rows(plan) -> tuple:
+    """(signature rows, their digest), once per plan."""
+    if plan not in _ROWS:
+        from ..plan import signature    # plan.py imports this package: resolved at call time
+        rows = signature(plan)
+        _ROWS[plan] = (rows, digest(rows))
+    return _ROWS[plan]
+
+
+def _check_call(plan, call: Call) -> None:
+    """The per-call check of the collective algorithms on gloo (see the module docstring)."""
+    if plan.comm == "ring":
+        return
+    group = plan.heads.group if plan.heads is not None else plan.zigzag.group
+    if dist.get_backend(group) != "gloo":
+        return
+    rows, _ = _rows(plan)
+    check_agreement(group, (("call", call.text()),) + rows, torch.device("cpu"),
+                    f"the CP per-call check ({call.phase})", hint=CALL_HINT)
+
+
+@functools.lru_cache(maxsize=None)
+def _autocast_devices() -> tuple:
+    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+def _precision(stack: ExitStack) -> None:
+    for device in _autocast_devices():
+        if torch.is_autocast_enabled(device):
+            stack.enter_context(torch.autocast(device, enabled=False))
+
+
+def autocast_off(fn):
+    """Run `fn` with autocast disabled on every device where it is enabled."""
+    @functools.wraps(fn)
+    def run(*args):
+        with ExitStack() as stack:
+            _precision(stack)
+            return fn(*args)
+    return run
+
+
+def _refuse_second_order(grads: tuple) -> tuple:
+    """Wrap the gradients so that differentiating them raises DOUBLE_BACKWARD."""
+    wrapped = [None if g is None else g.detach().requires_grad_() for g in grads]
+    present = [g for g in wrapped if g is not None]
+    error = torch._C._functions.DelayedError(DOUBLE_BACKWARD, len(present))
+    raised = iter(error(*present))
+    return tuple(None if g is None else next(raised) for g in wrapped)
+
+
+def guarded(function: type) -> type:
+    """Decorate a CP autograd.Function class whose forward is (ctx, q, k, v, plan)."""
+    forward, backward = function.forward, function.backward
+
+    def guarded_forward(ctx, q, k, v, plan):
+        call = Call(_next_seq(plan), "forward", _rows(plan)[1])
+        ctx.cp_call = call
+        with ExitStack() as stack:
+            _precision(stack)
+            stack.enter_context(in_call(call))
+            _check_call(plan, call)
+            return forward(ctx, q, k, v, plan)
+
+    def guarded_backward(ctx, *grads):
+        create_graph = torch.is_grad_enabled()
+        call = Call(ctx.cp_call.seq, "backward", ctx.cp_call.digest)
+        with ExitStack() as stack:
+            _precision(stack)
+            stack.enter_context(torch.no_grad())
+            stack.enter_context(in_call(call))
+            _check_call(ctx.plan, call)
+            result = backward(ctx, *grads)
+        return _refuse_second_order(result) if create_graph else result
+
+    function.forward = staticmethod(functools.wraps(forward)(guarded_forward))
+    function.backward = staticmethod(functools.wraps(backward)(guarded_backward))
+    return function
