@@ -29,7 +29,7 @@ from cp_softcap.cp.grad_accum import GradAccumulator                 # noqa: E40
 from cp_softcap.cp.ring import backward_calls, forward_calls, return_dtype  # noqa: E402
 from cp_softcap.kernels import get_kernel                           # noqa: E402
 from cp_softcap.kernels.base import grad_dtype                      # noqa: E402
-from cp_softcap.layout import block_plan, key_range, plan_step, ring_blocks  # noqa: E402
+from cp_softcap.layout import block_exclusive, block_plan, key_range, plan_step, ring_blocks  # noqa: E402
 from cp_softcap.merge import new_accumulator                        # noqa: E402
 from cp_softcap.spec import make_spec                               # noqa: E402
 from cp_softcap.selector import select                              # noqa: E402
@@ -56,7 +56,7 @@ class RankSim:
             # the dK/dV partials other ranks return for our keys (added in step order), in the
             # dtype each sender's block returns (ring.return_dtype); one random tensor stands
             # for both dK and dV (timing only)
-            rdt = lambda r: return_dtype(kernel, dtype, cp, r, chunk, window, steps)  # noqa: E731
+            rdt = lambda r: return_dtype(kernel, dtype, block_exclusive(cp, r, chunk, window, steps))  # noqa: E731
             peers = [(rank + st) % cp for st in steps]
             back = [(kr, rdt(p)) for kr, p in ((key_range(cp, p, rank, chunk, window), p)
                                               for p in peers) if kr is not None]

@@ -85,8 +85,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: Opt
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
                  softcap: Optional[float] = None, causal: bool = True, window=None,
-                 scale: Optional[float] = None, comm: str = "ring", backend: Backend = "auto"
-                 ) -> torch.Tensor:
+                 scale: Optional[float] = None, comm: str = "ring", backend: Backend = "auto",
+                 cu_seqlens=None) -> torch.Tensor:
     """Context-parallel attention on this rank's shards.
 
     q [B, S/cp, Hq, D], k/v [B, S/cp, Hkv, D]: the local shards in the zigzag layout
@@ -94,13 +94,25 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, 
     Returns this rank's shard of the output, [B, S/cp, Hq, Dv], in q's dtype. Differentiable.
     softcap/window/scale/causal mean what they mean for cps.attention, in GLOBAL positions.
     comm: "ring" | "all_gather" | "a2a" | "a2a+p2p" | "auto". group None or of size 1: one device.
+
+    cu_seqlens (packed documents): GLOBAL document boundaries [0, e1, ..., T_docs] of the whole
+    stream, identical on every rank (1-D integer tensor, list of ints, or a PackedLayout from
+    cp_softcap.documents.packed_layout). The shards are then in the packed layout:
+    cp_softcap.sharding.shard(x, cp, rank, cu_seqlens=cu_seqlens) gives each rank
+    sharding.packed_len(S, cp) / cp tokens (the stream padded at its end). Query i sees key j
+    only within one document (and under causal/window in global positions); tokens past
+    T_docs are padding: output 0 and zero gradients. Every comm type serves packed calls.
+    Raises ValueError (TypeError for non-integers) on EVERY rank, naming the rank, when the
+    boundaries are not increasing, do not start at 0, end past the stream, differ between
+    ranks, or do not match the local shard length.
     """
     groups, cp, rank = resolve_groups(group, comm)
     if comm != "a2a+p2p" and cp == 1:
+        docs = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         return attention(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
-                         backend=backend)
+                         backend=backend, **docs)
     plan = plan_for(q, k, v, groups, cp, rank, softcap=softcap, causal=causal, window=window,
-                    scale=scale, comm=comm, backend=backend)
+                    scale=scale, comm=comm, backend=backend, cu_seqlens=cu_seqlens)
     return ALGORITHMS[plan.comm].apply(q, k, v, plan)
 
 
@@ -108,8 +120,10 @@ class CPAttention(torch.nn.Module):
     """Parameter-free attention layer for model code: `CPAttention(cp_group, softcap=50.0)`
     (causal by default).
 
-    forward(q, k, v) takes the local shards [B, S/cp, H, D] (GQA allowed) and returns the local
-    output shard [B, S/cp, Hq, Dv]. See cp_attention for the layout contract.
+    forward(q, k, v, cu_seqlens=None) takes the local shards [B, S/cp, H, D] (GQA allowed) and
+    returns the local output shard [B, S/cp, Hq, Dv]; cu_seqlens: the global document
+    boundaries of a packed stream (shards from sharding.shard(..., cu_seqlens=)). See
+    cp_attention for the layout contract and the errors.
     """
 
     def __init__(self, cp_group=None, softcap: Optional[float] = None, *, causal: bool = True,
@@ -122,7 +136,8 @@ class CPAttention(torch.nn.Module):
         self.cp_group, self.causal, self.scale = cp_group, causal, scale
         self.comm, self.backend = comm, backend
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cu_seqlens=None) -> torch.Tensor:
         return cp_attention(q, k, v, self.cp_group, softcap=self.softcap, causal=self.causal,
                             window=self.window, scale=self.scale, comm=self.comm,
-                            backend=self.backend)
+                            backend=self.backend, cu_seqlens=cu_seqlens)

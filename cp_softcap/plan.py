@@ -27,10 +27,13 @@ from . import settings
 from .cp.a2a import check_heads, kv_head_index, query_head_index
 from .cp.a2a_p2p import hybrid_groups, hybrid_rank
 from .cp.auto import choose_comm
+from .cp.calls import ring_members
+from .documents import PackedLayout
 from .export import refuse_cp
 from .kernels.base import Kernel
 from .layout import ring_blocks
 from .selector import select
+from .sharding import layout_for
 from .spec import AttnSpec, check_comm, check_local_shards, check_qkv, make_spec
 from .transport import check_agreement
 
@@ -47,6 +50,8 @@ class Zigzag:
     chunk: int
     window: Tuple[Optional[int], Optional[int]]
     blocks: Tuple[Tuple[int, ...], ...] = ()
+    documents: Optional[PackedLayout] = None    # packed layout (then `chunk` is unused)
+    ring: tuple = ()                # packed: the ring's members as doc_geometry ranks
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ class Heads:
     size: int
     q_index: Tuple[Tuple[int, ...], ...]
     kv_index: Tuple[Tuple[int, ...], ...]
+    zigzag_order: bool = True       # False for packed documents: shards stay back to back
 
 
 def _local(**kw):
@@ -76,6 +82,7 @@ class Plan:
     backend: str                            # what the caller asked for: 'auto' or a kernel name
     kernel: Optional[Kernel]                # None only while a failed plan is being compared
     ring_block_keys: Optional[int]          # None only while an invalid setting is compared
+    layout: Union[None, PackedLayout, str] = None       # packed documents; str: why they are invalid
     comm: str = _local(default="local")     # the algorithm after 'auto' (derived from the above)
     rank: int = _local(default=0)           # CP rank: ring rank * a2a size + a2a rank for a2a+p2p
     zigzag: Optional[Zigzag] = _local(default=None)    # ring / all_gather / a2a+p2p's ring
@@ -89,7 +96,8 @@ class Plan:
 _LABELS = {"local_len": "local seq len", "num_heads": "query heads", "num_kv_heads": "kv heads",
            "head_dim_v": "v head dim", "device_type": "device type", "kernel": "selected kernel",
            "ring_block_keys": "ring block keys", "needs_backward": "needs backward",
-           "return_lse": "return lse", "cp_size": "cp size"}
+           "return_lse": "return lse", "cp_size": "cp size", "documents": "packed documents",
+           "layout": "document layout"}
 
 
 def _text(name: str, value) -> str:
@@ -99,6 +107,12 @@ def _text(name: str, value) -> str:
         return "invalid CP_SOFTCAP_RING_BLOCK_KEYS"
     if isinstance(value, torch.dtype):
         return str(value).replace("torch.", "")
+    if isinstance(value, PackedLayout):
+        # the signature hashes the boundaries and the layout: ranks compare 1 number, not the tensor
+        return (f"{value.num_docs} documents ending at {value.cu_seqlens[-1]} of {value.seq_len} tokens, "
+                f"layout {value.signature:#x}")
+    if name == "layout" and value is None:
+        return "none (not packed)"
     return str(value)
 
 
@@ -174,7 +188,8 @@ _PLANS: "weakref.WeakKeyDictionary[object, Dict[tuple, Plan]]" = weakref.WeakKey
 
 
 def spec_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap, causal, window, scale,
-             cp_size: int = 1, comm: str = "ring", return_lse: bool = False) -> AttnSpec:
+             cp_size: int = 1, comm: str = "ring", return_lse: bool = False,
+             documents: bool = False) -> AttnSpec:
     """The validated AttnSpec of a call on these tensors."""
     needs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     refuse_cp(cp_size)     # every CP entry point builds its spec here, before any collective
@@ -183,7 +198,7 @@ def spec_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap, caus
                      num_kv_heads=k.shape[2], dtype=q.dtype, device_type=q.device.type,
                      softcap=softcap, causal=causal, window=window, scale=scale,
                      needs_backward=needs_backward, cp_size=cp_size, comm=comm,
-                     return_lse=return_lse)
+                     return_lse=return_lse, documents=documents)
 
 
 def local_plan(spec: AttnSpec, backend: Backend = "auto") -> Plan:
@@ -197,36 +212,70 @@ def local_plan(spec: AttnSpec, backend: Backend = "auto") -> Plan:
 
 
 def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple, cp: int, rank: int,
-             *, softcap, causal, window, scale, comm: str, backend: Backend) -> Plan:
+             *, softcap, causal, window, scale, comm: str, backend: Backend, cu_seqlens=None) -> Plan:
     """The plan of a context-parallel call on this rank's shards, for groups/cp/rank from
     resolve_groups (cached per group and call signature; see the module docstring for the
-    cross-rank check)."""
+    cross-rank check). cu_seqlens: global document boundaries (or a PackedLayout), validated
+    here; invalid ones fail on every rank, after the signature exchange."""
     _check_member(cp)
     where = f"CP rank {rank}"
     check_qkv(q, k, v, where=where)
     check_local_shards(q, k, cp, where)
     spec = spec_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
-                    cp_size=cp, comm=comm)
-    key = (spec, q.shape[0], q.shape[1], groups[1:], backend, settings.planning_inputs())
+                    cp_size=cp, comm=comm, documents=cu_seqlens is not None)
+    layout, doc_error = _documents(cu_seqlens, q.shape[1], cp, rank)
+    key = (spec, q.shape[0], q.shape[1], groups[1:], backend, settings.planning_inputs(), layout)
     plans = _PLANS.setdefault(groups[0], {})
-    plan = plans.get(key)
+    plan = plans.get(key) if doc_error is None else None
     if plan is None:
-        plan, error = _draft(spec, q.shape[0], q.shape[1], backend)
+        plan, error = _draft(spec, q.shape[0], q.shape[1], backend,
+                             layout if doc_error is None else f"invalid: {doc_error}")
         _compare(plan, groups, q.device)
+        error = doc_error or error
         if error is not None:
             raise error
         plan = _finish(plan, groups, rank)
-        plans[key] = plan
+        _remember(plans, key, plan)
     elif settings.check_every_call():
         _compare(plan, groups, q.device)
     return plan
+
+
+MAX_PACKED_PLANS = 16               # per group: packed boundaries change every training step
+
+
+def _remember(plans: dict, key: tuple, plan: Plan) -> None:
+    """Cache `plan`; packed plans are evicted oldest first beyond MAX_PACKED_PLANS per group."""
+    plans[key] = plan
+    if plan.layout is not None:
+        packed = [k for k, p in plans.items() if p.layout is not None]
+        for old in packed[:-MAX_PACKED_PLANS]:
+            del plans[old]
+
+
+def _documents(cu_seqlens, local_len: int, cp: int, rank: int):
+    """(PackedLayout or None, error or None) for the boundaries of a call on local shards of
+    local_len tokens (the layout's local length, sharding.shard(..., cu_seqlens=))."""
+    if cu_seqlens is None:
+        return None, None
+    try:
+        layout = layout_for(cu_seqlens, local_len * cp, cp, rank=rank)
+    except (TypeError, ValueError) as e:
+        return None, e
+    if layout.local_len != local_len:
+        return None, ValueError(
+            f"local shards have {local_len} tokens on CP rank {rank}, but the packed layout of these "
+            f"cu_seqlens over cp={cp} holds {layout.local_len} per rank; shard q, k and v with "
+            "cp_softcap.sharding.shard(x, cp, rank, cu_seqlens=cu_seqlens), which pads the stream "
+            "to sharding.packed_len(S, cp)")
+    return layout, None
 
 
 def _backend_name(backend: Backend) -> str:
     return backend.name if isinstance(backend, Kernel) else str(backend)
 
 
-def _draft(spec: AttnSpec, batch: int, local_len: int, backend: Backend):
+def _draft(spec: AttnSpec, batch: int, local_len: int, backend: Backend, documents=None):
     """(plan with the compared fields, local error or None)."""
     kernel = keys = error = None
     try:
@@ -234,7 +283,7 @@ def _draft(spec: AttnSpec, batch: int, local_len: int, backend: Backend):
         kernel = select(spec, backend).kernel
     except ValueError as e:
         error = e
-    return Plan(spec, batch, local_len, _backend_name(backend), kernel, keys), error
+    return Plan(spec, batch, local_len, _backend_name(backend), kernel, keys, documents), error
 
 
 def _compare(plan: Plan, groups: tuple, device) -> None:
@@ -245,23 +294,25 @@ def _compare(plan: Plan, groups: tuple, device) -> None:
 
 def _finish(plan: Plan, groups: tuple, rank: int) -> Plan:
     """Resolve comm='auto' and the algorithm's geometry (after the ranks agreed)."""
-    spec, cp = plan.spec, plan.cp_size
+    spec, cp, layout = plan.spec, plan.cp_size, plan.layout
     comm = spec.comm
     if comm == "auto":
         comm = choose_comm(spec, plan.local_len * cp, plan.batch, block_keys=plan.ring_block_keys,
-                           partial_bytes=plan.kernel.partial_dtype(spec.dtype).itemsize)
+                           partial_bytes=plan.kernel.partial_dtype(spec.dtype).itemsize,
+                           documents=layout)
     zigzag = heads = None
     if comm in ("a2a", "a2a+p2p"):
         group = groups[0]
         size = dist.get_world_size(group)
         check_heads(spec.num_heads, size, rank)
         heads = Heads(group, size, _tuples(query_head_index(spec.num_heads, size)),
-                      _tuples(kv_head_index(spec.num_heads, spec.num_kv_heads, size)))
+                      _tuples(kv_head_index(spec.num_heads, spec.num_kv_heads, size)), layout is None)
     if comm != "a2a":
         group = groups[-1]
         size, ring_len = dist.get_world_size(group), plan.local_len * (heads.size if heads else 1)
         blocks = ring_blocks(size, ring_len, plan.ring_block_keys) if comm != "all_gather" else ()
-        zigzag = Zigzag(group, size, dist.get_rank(group), ring_len // 2, spec.window, blocks)
+        zigzag = Zigzag(group, size, dist.get_rank(group), ring_len // 2, spec.window, blocks,
+                        layout, ring_members(cp, heads.size if heads else 1) if layout else ())
     return dataclasses.replace(plan, comm=comm, rank=rank, zigzag=zigzag, heads=heads)
 
 

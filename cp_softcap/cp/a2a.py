@@ -22,13 +22,18 @@ heads use (GQA models with Hkv < cp keep working); gradients of replicas are sum
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from functools import lru_cache
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from ..doc_geometry import stream_calls
+from ..merge import new_accumulator
 from ..spec import grad_dtype
 from ..transport import all_to_all
+from .calls import backward_into, write_calls
+from .grad_accum import GradAccumulator
 from .guard import guarded
 
 
@@ -60,42 +65,49 @@ def kv_head_index(hq: int, hkv: int, ranks: int) -> List[List[int]]:
     return [[(j * per_q + i) // group for i in range(per_q)] for j in range(ranks)]
 
 
-def _order(recv: torch.Tensor) -> torch.Tensor:
-    """[I, B, 2c, h, D] per source rank -> [B, 2cI, h, D] in the documented sequence order."""
+def _order(recv: torch.Tensor, zigzag: bool = True) -> torch.Tensor:
+    """[I, B, 2c, h, D] per source rank -> [B, 2cI, h, D] in the documented sequence order
+    (zigzag=False, packed documents: the shards back to back in rank order)."""
+    if not zigzag:
+        return torch.cat(recv.unbind(0), dim=1)
     first, second = recv.chunk(2, dim=2)
     return torch.cat([torch.cat(first.unbind(0), dim=1), torch.cat(second.flip(0).unbind(0), dim=1)], dim=1)
 
 
-def _unorder(x: torch.Tensor, ranks: int) -> torch.Tensor:
+def _unorder(x: torch.Tensor, ranks: int, zigzag: bool = True) -> torch.Tensor:
     """Inverse of _order: [B, 2cI, h, D] -> [I, B, 2c, h, D] (each source rank's tokens)."""
+    if not zigzag:
+        return torch.stack(x.chunk(ranks, dim=1))
     first, second = x.chunk(2, dim=1)
     firsts = first.chunk(ranks, dim=1)
     seconds = second.chunk(ranks, dim=1)[::-1]
     return torch.stack([torch.cat([f, s], dim=1) for f, s in zip(firsts, seconds)])
 
 
-def seq_to_heads(x: torch.Tensor, group, index: Sequence[Sequence[int]], op: str) -> torch.Tensor:
+def seq_to_heads(x: torch.Tensor, group, index: Sequence[Sequence[int]], op: str,
+                 zigzag: bool = True) -> torch.Tensor:
     """x [B, 2c, H, D] (this rank's tokens, all heads) -> [B, 2cI, h, D] (group's tokens, heads
-    index[rank])."""
+    index[rank]; zigzag: _order's sequence order)."""
     ranks = dist.get_world_size(group)
     flat = torch.tensor([i for idx in index for i in idx], device=x.device)
     b, s, _, d = x.shape
     send = x.index_select(2, flat).view(b, s, ranks, len(index[0]), d).permute(2, 0, 1, 3, 4)
-    return _order(all_to_all(send, group, op))
+    return _order(all_to_all(send, group, op), zigzag)
 
 
-def heads_to_seq(y: torch.Tensor, group, op: str) -> torch.Tensor:
+def heads_to_seq(y: torch.Tensor, group, op: str, zigzag: bool = True) -> torch.Tensor:
     """y [B, 2cI, h, D] (group's tokens, this rank's h query heads) -> [B, 2c, I*h, D]."""
     ranks = dist.get_world_size(group)
-    recv = all_to_all(_unorder(y, ranks), group, op)          # [I(src), B, 2c, h, D]
+    recv = all_to_all(_unorder(y, ranks, zigzag), group, op)          # [I(src), B, 2c, h, D]
     return torch.cat(recv.unbind(0), dim=2)
 
 
-def heads_to_seq_sum(g: torch.Tensor, group, index: Sequence[Sequence[int]], num_heads: int, op: str) -> torch.Tensor:
+def heads_to_seq_sum(g: torch.Tensor, group, index: Sequence[Sequence[int]], num_heads: int, op: str,
+                     zigzag: bool = True) -> torch.Tensor:
     """Adjoint of seq_to_heads: g [B, 2cI, h, D] -> [B, 2c, H, D], summing replicated heads in
     float32 (float64 for float64); g travels in its own dtype."""
     ranks = dist.get_world_size(group)
-    recv = all_to_all(_unorder(g, ranks), group, op)          # [I(src), B, 2c, h, D]
+    recv = all_to_all(_unorder(g, ranks, zigzag), group, op)          # [I(src), B, 2c, h, D]
     acc = grad_dtype(g.dtype)
     out = torch.zeros(recv.shape[1:3] + (num_heads, recv.shape[-1]), dtype=acc, device=g.device)
     for j in range(ranks):                                    # fixed order: deterministic
@@ -106,13 +118,14 @@ def heads_to_seq_sum(g: torch.Tensor, group, index: Sequence[Sequence[int]], num
 def a2a_forward(ctx, q, k, v, plan, attend):
     """Re-shard by heads, attend(qh, kh, vh, plan) -> (float32 out, lse), re-shard back."""
     heads = plan.heads
-    qh = seq_to_heads(q, heads.group, heads.q_index, "a2a.fwd.q")
-    kh = seq_to_heads(k, heads.group, heads.kv_index, "a2a.fwd.k")
-    vh = seq_to_heads(v, heads.group, heads.kv_index, "a2a.fwd.v")
+    zz = heads.zigzag_order
+    qh = seq_to_heads(q, heads.group, heads.q_index, "a2a.fwd.q", zz)
+    kh = seq_to_heads(k, heads.group, heads.kv_index, "a2a.fwd.k", zz)
+    vh = seq_to_heads(v, heads.group, heads.kv_index, "a2a.fwd.v", zz)
     out, lse = attend(qh, kh, vh, plan)
     ctx.save_for_backward(qh, kh, vh, out, lse)
     ctx.plan = plan
-    return heads_to_seq(out.to(q.dtype), heads.group, "a2a.fwd.out")
+    return heads_to_seq(out.to(q.dtype), heads.group, "a2a.fwd.out", zz)
 
 
 def a2a_backward(ctx, dout, attend_backward):
@@ -120,25 +133,63 @@ def a2a_backward(ctx, dout, attend_backward):
     qh, kh, vh, out, lse = ctx.saved_tensors
     plan = ctx.plan
     heads, spec = plan.heads, plan.spec
-    douth = seq_to_heads(dout, heads.group, heads.q_index, "a2a.bwd.dout")
+    zz = heads.zigzag_order
+    douth = seq_to_heads(dout, heads.group, heads.q_index, "a2a.bwd.dout", zz)
     dq, dk, dv = attend_backward(douth, qh, kh, vh, out, lse, plan)
-    dq = heads_to_seq_sum(dq, heads.group, heads.q_index, spec.num_heads, "a2a.bwd.dq")
-    dk = heads_to_seq_sum(dk, heads.group, heads.kv_index, spec.num_kv_heads, "a2a.bwd.dk")
-    dv = heads_to_seq_sum(dv, heads.group, heads.kv_index, spec.num_kv_heads, "a2a.bwd.dv")
+    dq = heads_to_seq_sum(dq, heads.group, heads.q_index, spec.num_heads, "a2a.bwd.dq", zz)
+    dk = heads_to_seq_sum(dk, heads.group, heads.kv_index, spec.num_kv_heads, "a2a.bwd.dk", zz)
+    dv = heads_to_seq_sum(dv, heads.group, heads.kv_index, spec.num_kv_heads, "a2a.bwd.dv", zz)
     return dq.to(spec.dtype), dk.to(spec.dtype), dv.to(spec.dtype), None
 
 
 def _attend(q, k, v, plan):
     """The whole sequence on this rank, one kernel call; float32 out for the backward."""
     spec = plan.spec
+    if plan.layout is not None:
+        return _attend_packed(q, k, v, plan)
     out, lse = plan.kernel.forward(q, k, v, scale=spec.scale, softcap=spec.softcap, window=spec.window)
     return out.to(grad_dtype(q.dtype)), lse
 
 
 def _attend_backward(dout, q, k, v, out, lse, plan):
     spec = plan.spec
+    if plan.layout is not None:
+        return _attend_packed_backward(dout, q, k, v, out, lse, plan)
     return plan.kernel.backward(dout, q, k, v, out, lse, scale=spec.scale, softcap=spec.softcap,
                                 window=spec.window)
+
+
+# Packed documents: the all-to-all delivers the group's shards back to back; in global order
+# (layout.stream_index) the stream's documents are stream_calls, usually ONE varlen call for
+# causal attention. Every row lies in at most one call; padding rows in none (out 0, LSE -inf).
+
+@lru_cache(maxsize=64)
+def _stream_order(layout, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(idx, inv): x[:, inv] puts back-to-back shards in global order, y[:, idx] takes them back."""
+    idx = layout.stream_index()
+    return idx.to(device), torch.argsort(idx).to(device)
+
+
+def _attend_packed(q, k, v, plan):
+    spec, layout = plan.spec, plan.layout
+    idx, inv = _stream_order(layout, q.device)
+    qg, kg, vg = (t.index_select(1, inv) for t in (q, k, v))
+    out, lse = new_accumulator(q.shape, v.shape[-1], q.dtype, q.device)
+    calls = stream_calls(layout.cu_seqlens, layout.seq_len, spec.window)
+    write_calls(plan.kernel, qg, kg, vg, calls, spec.scale, spec.softcap, out, lse)
+    return out.index_select(1, idx), lse.index_select(2, idx)
+
+
+def _attend_packed_backward(dout, q, k, v, out, lse, plan):
+    spec, layout = plan.spec, plan.layout
+    idx, inv = _stream_order(layout, q.device)
+    dog, qg, kg, vg, og = (t.index_select(1, inv) for t in (dout, q, k, v, out))
+    lg = lse.index_select(2, inv)
+    calls = stream_calls(layout.cu_seqlens, layout.seq_len, spec.window)
+    gdt = plan.kernel.partial_dtype(q.dtype)
+    grads = [GradAccumulator(t.shape, gdt, q.device) for t in (q, k, v)]
+    backward_into(plan.kernel, dog, qg, kg, vg, og, lg, None, calls, spec.scale, spec.softcap, *grads)
+    return tuple(g.result().index_select(1, idx) for g in grads)
 
 
 def a2a_function(name: str, attend, attend_backward) -> type:

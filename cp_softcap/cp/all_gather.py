@@ -8,14 +8,23 @@ first halves, so it is computed while the second gather is still in flight. A ch
 lies in one half uses a view of that half; only a range that straddles both is concatenated.
 Backward re-gathers K/V (no S-sized buffers kept between passes), accumulates dK/dV in float32
 in global order and reduce-scatters them in float32 to their zigzag owners.
+
+Packed documents (plan.zigzag.documents): one gather of the whole shards, put in global order
+(layout.stream_index), and doc_geometry.gathered_calls: for each of this rank's runs, its
+documents in one varlen call whose keys of each document end at the run's last query of it.
+Every row lies in at most one call (no merge); padding rows in none (out 0, LSE -inf). dK/dV
+in global order go back to the back-to-back shard order and are reduce-scattered in float32.
 """
 from __future__ import annotations
 
 import torch
 
+from ..doc_geometry import gathered_calls
 from ..layout import plan_pair
+from ..merge import new_accumulator
 from ..spec import grad_dtype
 from ..transport import all_gather, reduce_scatter, wait
+from .calls import backward_into, write_calls
 from .grad_accum import GradAccumulator
 from .guard import guarded
 from .packing import pack, unpack
@@ -76,6 +85,11 @@ class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan):
         zz, spec = plan.zigzag, plan.spec
+        ctx.plan = plan
+        if zz.documents is not None:
+            out, lse = _packed_forward(q, k, v, plan)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out.to(q.dtype)
         kv = _Gathered(k, v, zz.group, zz.size, "all_gather.fwd.kv")
         acc = grad_dtype(q.dtype)
         out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=acc, device=q.device)
@@ -98,6 +112,8 @@ class AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan
         zz, spec, kernel = plan.zigzag, plan.spec, plan.kernel
+        if zz.documents is not None:
+            return _packed_backward(dout, q, k, v, out, lse, plan) + (None,)
         kv = _Gathered(k, v, zz.group, zz.size, "all_gather.bwd.kv")
         # once per backward, not per call (e.g. fa4 casts the float32 O and corrects D here)
         dout, out, dlse = kernel.prepare_backward(dout, out, None, q.dtype)
@@ -130,3 +146,41 @@ def _owner_shard(dk_full, dv_full, cp, r):
     chunks_k, chunks_v = dk_full.chunk(2 * cp, dim=1), dv_full.chunk(2 * cp, dim=1)
     a, b = r, 2 * cp - 1 - r
     return (torch.cat([chunks_k[a], chunks_k[b]], dim=1), torch.cat([chunks_v[a], chunks_v[b]], dim=1))
+
+
+def _gather_global(k, v, zz, op):
+    """Every rank's whole K/V shard, in global order (packed layout)."""
+    buf, _ = all_gather(pack(k, v), zz.group, op)
+    parts = [unpack(buf[r], k.shape, v.shape) for r in range(zz.size)]
+    inv = _global_order(zz.documents, k.device)
+    return (torch.cat([p[0] for p in parts], dim=1).index_select(1, inv),
+            torch.cat([p[1] for p in parts], dim=1).index_select(1, inv))
+
+
+def _global_order(layout, device):
+    return torch.argsort(layout.stream_index()).to(device)
+
+
+def _packed_forward(q, k, v, plan):
+    zz, spec = plan.zigzag, plan.spec
+    kg, vg = _gather_global(k, v, zz, "all_gather.fwd.kv")
+    out, lse = new_accumulator(q.shape, v.shape[-1], q.dtype, q.device)
+    calls = gathered_calls(zz.documents, zz.rank, zz.window)
+    write_calls(plan.kernel, q, kg, vg, calls, spec.scale, spec.softcap, out, lse)
+    return out, lse
+
+
+def _packed_backward(dout, q, k, v, out, lse, plan):
+    zz, spec, kernel = plan.zigzag, plan.spec, plan.kernel
+    kg, vg = _gather_global(k, v, zz, "all_gather.bwd.kv")
+    dout, out, dlse = kernel.prepare_backward(dout, out, None, q.dtype)
+    gdt = grad_dtype(q.dtype)
+    dq = GradAccumulator(q.shape, gdt, q.device)
+    dk, dv = (GradAccumulator(t.shape, gdt, q.device) for t in (kg, vg))
+    calls = gathered_calls(zz.documents, zz.rank, zz.window)
+    backward_into(kernel, dout, q, kg, vg, out, lse, dlse, calls, spec.scale, spec.softcap, dq, dk, dv)
+    idx = zz.documents.stream_index(q.device)          # global order -> shards back to back
+    dk, dv = (g.result().index_select(1, idx) for g in (dk, dv))
+    slots = torch.stack([pack(a, b) for a, b in zip(dk.chunk(zz.size, dim=1), dv.chunk(zz.size, dim=1))])
+    dk, dv = unpack(reduce_scatter(slots, zz.group, "all_gather.bwd.dkv"), k.shape, v.shape)
+    return dq.result().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -38,6 +38,10 @@ the flash-attn family (caps.grads_in_input_dtype), g for the torch kernel; defau
       the a2a terms above on the inner group (cp -> a, same n), plus the ring terms of the outer
       ring: cp/a ranks, chunk a*c (blocks of ring_blocks(cp/a, a*n, block_keys)), Hq/a query and
       hk KV heads per rank; busiest rank total.
+Packed documents (documents= a PackedLayout, cp/calls.py): the ring terms use the document
+geometry (doc_geometry.send_ranges per receiver; block_plan slots and block_exclusive per block;
+for a2a+p2p the ring's members are the a2a groups); all_gather and a2a move every token (n is
+the layout's local_len), so their terms are unchanged.
 bytes_per_rank is the busiest rank's TOTAL (max over ranks of fwd + bwd), not per-op maxima.
 sent_per_rank gives every rank's per-op bytes; benchmarks/comm_bytes.py checks both against
 transport.counting() at Gemma2-9B shapes.
@@ -46,9 +50,10 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from ..layout import block_exclusive, block_plan, key_range, ring_blocks
+from ..layout import ring_blocks
 from ..settings import ring_block_keys
 from ..spec import AttnSpec, Window, check_zigzag_length
+from . import calls as geo
 from .a2a import heads_divide, kv_head_index
 
 SINGLE_GROUP = ("ring", "all_gather", "a2a")      # what comm="auto" chooses among, tie order
@@ -64,8 +69,8 @@ def _local_len(spec: AttnSpec, seq_len: int) -> int:
     return seq_len // spec.cp_size
 
 
-def _keys(kr) -> int:
-    return 0 if kr is None else kr[1] - kr[0]
+def _keys(ranges) -> int:
+    return sum(b - a for a, b in ranges)
 
 
 def _partial_bytes(partial_bytes: Optional[int], g: int) -> int:
@@ -78,10 +83,11 @@ def _partial_bytes(partial_bytes: Optional[int], g: int) -> int:
 
 
 def _ring(cp: int, chunk: int, window: Window, kv_e: int, kv_g: int, kv_p: int,
-          block_keys: Optional[int]) -> List[Dict[str, int]]:
+          block_keys: Optional[int], documents=None, ring=()) -> List[Dict[str, int]]:
     """Per ring rank: bytes sent per op. kv_e / kv_g / kv_p: bytes of one key's K+V in the input
     / gradient / kernel partial dtype (all heads, whole batch). block_keys: as ring.py's
-    settings.ring_block_keys() (None: read the setting, as the ring does)."""
+    settings.ring_block_keys() (None: read the setting, as the ring does). documents / ring: the
+    packed layout and the ring's members (cp/calls.py), whose geometry the ring runs on."""
     if block_keys is None:
         # with partials of the gradient's size the grouping into blocks changes no byte count,
         # so the environment is read only when it matters (as the ring reads it)
@@ -89,12 +95,13 @@ def _ring(cp: int, chunk: int, window: Window, kv_e: int, kv_g: int, kv_p: int,
     blocks = ring_blocks(cp, 2 * chunk, block_keys)
     out = []
     for r in range(cp):
-        send = sum(_keys(key_range(cp, q, r, chunk, window)) for q in range(cp) if q != r)
+        zz = geo.RingView(cp, r, chunk, window, documents, ring)
+        send = sum(_keys(geo.send_ranges(zz, q)) for q in range(cp) if q != r)
         dkv = 0
         for steps in blocks:
-            slots, _ = block_plan(cp, r, chunk, window, steps)
-            per_key = kv_p if block_exclusive(cp, r, chunk, window, steps) else kv_g
-            dkv += sum(s.k1 - s.k0 for s in slots) * per_key
+            slots, _ = geo.block(zz, steps)
+            per_key = kv_p if geo.exclusive(zz, r, steps) else kv_g
+            dkv += sum(s.size for s in slots) * per_key
         ops = {"ring.fwd.kv": send * kv_e, "ring.bwd.kv": send * kv_e, "ring.bwd.dkv": dkv}
         out.append({k: v for k, v in ops.items() if v})
     return out
@@ -115,7 +122,7 @@ def _a2a(spec: AttnSpec, ranks: int, n: int, batch: int, g: int) -> Dict[str, in
 
 
 def _hybrid(spec: AttnSpec, n: int, batch: int, a2a_size: Optional[int], p: int,
-            block_keys: Optional[int]) -> Optional[List[Dict[str, int]]]:
+            block_keys: Optional[int], documents=None) -> Optional[List[Dict[str, int]]]:
     """a2a+p2p: the a2a terms on the inner group (float32 gradients: the outer ring's sums) plus
     the outer ring's terms for this rank's heads, per CP rank."""
     cp = spec.cp_size
@@ -127,14 +134,15 @@ def _hybrid(spec: AttnSpec, n: int, batch: int, a2a_size: Optional[int], p: int,
     inner = {k: v for k, v in _a2a(spec, a2a_size, n, batch, g).items() if v}
     hk = len(kv_head_index(spec.num_heads, spec.num_kv_heads, a2a_size)[0])
     kv_outer = batch * hk * (spec.head_dim + spec.head_dim_v)
+    ring = geo.ring_members(cp, a2a_size) if documents is not None else ()
     outer = _ring(cp // a2a_size, a2a_size * n // 2, spec.window, kv_outer * e, kv_outer * g,
-                  kv_outer * p, block_keys)
+                  kv_outer * p, block_keys, documents, ring)
     return [{**inner, **outer[r // a2a_size]} for r in range(cp)]
 
 
 def sent_per_rank(spec: AttnSpec, seq_len: int, comm: str, batch: int = 1,
                   a2a_size: Optional[int] = None, *, partial_bytes: Optional[int] = None,
-                  block_keys: Optional[int] = None) -> Optional[List[Dict[str, int]]]:
+                  block_keys: Optional[int] = None, documents=None) -> Optional[List[Dict[str, int]]]:
     """Modelled bytes each CP rank sends in one layer's forward + backward, per op name (the
     names transport.counting() records). None where the scheme cannot run these heads (a2a needs
     Hq % group size == 0). comm="a2a+p2p" needs a2a_size (dividing cp).
@@ -146,14 +154,20 @@ def sent_per_rank(spec: AttnSpec, seq_len: int, comm: str, batch: int = 1,
     a2a's dq/dk/dv (plain a2a only).
     block_keys: the ring's block size in keys (CP_SOFTCAP_RING_BLOCK_KEYS); None = read it from
     the setting as the ring does (settings.ring_block_keys()). Used only when partial_bytes differs
-    from the gradient bytes."""
+    from the gradient bytes.
+    documents: the call's PackedLayout (packed documents; seq_len is then layout.seq_len): the
+    ring's bytes follow the document geometry (only same-document visible keys travel);
+    all_gather and a2a move every token whatever the documents."""
     cp = spec.cp_size
     n = _local_len(spec, seq_len)
     e, g = _sizes(spec)
     p = _partial_bytes(partial_bytes, g)
     kv = batch * spec.num_kv_heads * (spec.head_dim + spec.head_dim_v)
+    if documents is not None and documents.seq_len != seq_len:
+        raise ValueError(f"seq_len={seq_len} but the packed layout has {documents.seq_len} tokens")
     if comm == "ring":
-        return _ring(cp, n // 2, spec.window, kv * e, kv * g, kv * p, block_keys)
+        ring = geo.ring_members(cp) if documents is not None else ()
+        return _ring(cp, n // 2, spec.window, kv * e, kv * g, kv * p, block_keys, documents, ring)
     if comm == "all_gather":
         ops = {"all_gather.fwd.kv": (cp - 1) * n * kv * e, "all_gather.bwd.kv": (cp - 1) * n * kv * e,
                "all_gather.bwd.dkv": (cp - 1) * n * kv * g}
@@ -164,39 +178,41 @@ def sent_per_rank(spec: AttnSpec, seq_len: int, comm: str, batch: int = 1,
         ops = {k: v for k, v in _a2a(spec, cp, n, batch, p).items() if v}
         return [dict(ops) for _ in range(cp)]
     if comm == "a2a+p2p":
-        return _hybrid(spec, n, batch, a2a_size, p, block_keys)
+        return _hybrid(spec, n, batch, a2a_size, p, block_keys, documents)
     raise ValueError(f"no byte model for comm={comm!r}; one of {SINGLE_GROUP + ('a2a+p2p',)}")
 
 
 def bytes_per_rank(spec: AttnSpec, seq_len: int, batch: int = 1,
                    a2a_size: Optional[int] = None, *, partial_bytes: Optional[int] = None,
-                   block_keys: Optional[int] = None) -> Dict[str, int]:
+                   block_keys: Optional[int] = None, documents=None) -> Dict[str, int]:
     """Busiest rank's total bytes sent (fwd + bwd) per scheme: "ring", "all_gather", "a2a" (when
     Hq % cp == 0) and, with a2a_size given, "a2a+p2p" (when Hq % a2a_size == 0).
-    partial_bytes, block_keys: as sent_per_rank."""
+    partial_bytes, block_keys, documents: as sent_per_rank."""
     out = {}
     for comm in SINGLE_GROUP + (("a2a+p2p",) if a2a_size is not None else ()):
         per = sent_per_rank(spec, seq_len, comm, batch, a2a_size, partial_bytes=partial_bytes,
-                            block_keys=block_keys)
+                            block_keys=block_keys, documents=documents)
         if per is not None:
             out[comm] = max(sum(ops.values()) for ops in per)
     return out
 
 
 def choose_comm(spec: AttnSpec, seq_len: int, batch: int = 1, *,
-                partial_bytes: Optional[int] = None, block_keys: Optional[int] = None) -> str:
+                partial_bytes: Optional[int] = None, block_keys: Optional[int] = None,
+                documents=None) -> str:
     """The single-group scheme (ring, all_gather, a2a) with the fewest bytes on the busiest rank.
     partial_bytes: the selected kernel's kernel.partial_dtype(spec.dtype).itemsize (None: the
-    gradient bytes); block_keys: as sent_per_rank."""
-    costs = bytes_per_rank(spec, seq_len, batch, partial_bytes=partial_bytes, block_keys=block_keys)
+    gradient bytes); block_keys, documents: as sent_per_rank."""
+    costs = bytes_per_rank(spec, seq_len, batch, partial_bytes=partial_bytes, block_keys=block_keys,
+                           documents=documents)
     return min((n for n in SINGLE_GROUP if n in costs), key=lambda n: (costs[n], SINGLE_GROUP.index(n)))
 
 
 def describe_comm_choice(spec: AttnSpec, seq_len: int, batch: int = 1,
                          a2a_size: Optional[int] = None, *, partial_bytes: Optional[int] = None,
-                         block_keys: Optional[int] = None) -> str:
-    """choose_comm's table (partial_bytes, block_keys: as sent_per_rank)."""
-    kw = dict(partial_bytes=partial_bytes, block_keys=block_keys)
+                         block_keys: Optional[int] = None, documents=None) -> str:
+    """choose_comm's table (partial_bytes, block_keys, documents: as sent_per_rank)."""
+    kw = dict(partial_bytes=partial_bytes, block_keys=block_keys, documents=documents)
     costs = bytes_per_rank(spec, seq_len, batch, a2a_size, **kw)
     chosen = choose_comm(spec, seq_len, batch, **kw)
     lines = [f"comm='auto' at S={seq_len}, cp={spec.cp_size}: bytes sent per rank per layer "

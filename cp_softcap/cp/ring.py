@@ -22,6 +22,13 @@ step order (deterministic). A block whose keys are each read by one kernel call
 from flash-attn): widening at the owner gives the same sum as sending a float32 copy, at half
 the bytes. Other blocks return float32 sums. Gradients are cast to the input dtype once.
 
+Packed documents (plan.zigzag.documents, docs/packing.md): the same steps and blocks on the
+packed layout, with the geometry of doc_geometry (through cp/calls.py): a member sends only the
+key ranges the receiver's queries see in the same document (several ranges travel back to back
+in one message), peers with no visible same-document key exchange nothing, calls may hold
+several documents (segments), and dK/dV go back over the same ranges, in the kernel's dtype
+where doc_geometry.block_exclusive. Padding rows are in no call: out 0, LSE -inf, zero grads.
+
 Message order: every rank posts kv(block 0), then per block i: kv(i+1), dkv(i). Blocks are the
 same everywhere, so for any pair of ranks the sends of one match the receives of the other in
 the same order, as NCCL and gloo require, even though pairs with nothing to exchange post nothing.
@@ -30,10 +37,10 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import block_exclusive, block_plan, key_range, plan_step
 from ..merge import merge_into, new_accumulator
 from ..spec import grad_dtype
 from ..transport import Exchange
+from . import calls as geo
 from .grad_accum import GradAccumulator
 from .guard import guarded
 
@@ -42,19 +49,19 @@ class _Block:
     """One block's K/V in flight: its buffers, slots and kernel calls."""
 
     def __init__(self, zz, op, k, v, steps):
-        self.slots, self.calls = block_plan(zz.size, zz.rank, zz.chunk, zz.window, steps)
-        n = sum(s.k1 - s.k0 for s in self.slots)
+        self.slots, self.calls = geo.block(zz, steps)
+        n = sum(s.size for s in self.slots)
         b = k.shape[0]
         self.k = k.new_empty((b, n) + tuple(k.shape[2:]))
         self.v = v.new_empty((b, n) + tuple(v.shape[2:]))
         self.exchange = Exchange(zz.group, op)
         for s in steps:
             dst = (zz.rank + s) % zz.size
-            kr = key_range(zz.size, dst, zz.rank, zz.chunk, zz.window)
-            if kr is not None:
-                self.exchange.send(k[:, kr[0]:kr[1]], dst).send(v[:, kr[0]:kr[1]], dst)
+            ranges = geo.send_ranges(zz, dst)
+            if ranges:
+                self.exchange.send(geo.take(k, ranges), dst).send(geo.take(v, ranges), dst)
         for slot in self.slots:
-            end = slot.off + slot.k1 - slot.k0
+            end = slot.off + slot.size
             self.exchange.recv(self.k[:, slot.off:end], slot.src)
             self.exchange.recv(self.v[:, slot.off:end], slot.src)
         self.exchange.start()
@@ -67,40 +74,29 @@ class _Block:
 def forward_calls(q, ks, vs, calls, kernel, scale, softcap, acc_out, acc_lse) -> None:
     """Run `calls` (rows of q x keys of ks/vs) and merge each partial into the accumulator."""
     for c in calls:
-        out, lse = kernel.forward(q[:, c.q0:c.q1], ks[:, c.k0:c.k1], vs[:, c.k0:c.k1],
-                                  scale=scale, softcap=softcap, window=c.window)
+        out, lse = geo.call_forward(kernel, q, ks, vs, c, scale, softcap)
         merge_into(acc_out[:, c.q0:c.q1], acc_lse[:, :, c.q0:c.q1], out, lse)
 
 
 def backward_calls(dout, q, ks, vs, out, lse, dlse, calls, kernel, scale, softcap, dq, dk, dv):
     """Backward of `calls` given the final (out, lse); adds into the GradAccumulators dq (rows)
     and dk/dv (keys)."""
-    for c in calls:
-        rows = slice(c.q0, c.q1)
-        gq, gk, gv = kernel.backward(
-            dout[:, rows], q[:, rows], ks[:, c.k0:c.k1], vs[:, c.k0:c.k1], out[:, rows],
-            lse[:, :, rows], scale=scale, softcap=softcap, window=c.window,
-            dlse=None if dlse is None else dlse[:, :, rows])
-        dq.add(c.q0, c.q1, gq)
-        dk.add(c.k0, c.k1, gk)
-        dv.add(c.k0, c.k1, gv)
+    geo.backward_into(kernel, dout, q, ks, vs, out, lse, dlse, calls, scale, softcap, dq, dk, dv)
 
 
-def return_dtype(kernel, dtype, cp, rank, chunk, window, steps) -> torch.dtype:
-    """dtype of the dK/dV partials `rank` returns for its block `steps` (both ends compute it)."""
-    if block_exclusive(cp, rank, chunk, window, steps):
-        return kernel.partial_dtype(dtype)
-    return grad_dtype(dtype)
+def return_dtype(kernel, dtype, exclusive: bool) -> torch.dtype:
+    """dtype of the dK/dV partials of a block; exclusive: each of its keys is read by one kernel
+    call (calls.exclusive; both ends compute it)."""
+    return kernel.partial_dtype(dtype) if exclusive else grad_dtype(dtype)
 
 
 def ring_forward(q, k, v, plan):
-    """-> (out float32 [B, S, Hq, Dv], lse float32 [B, Hq, S]) for this rank's zigzag queries."""
+    """-> (out float32 [B, S, Hq, Dv], lse float32 [B, Hq, S]) for this rank's queries."""
     zz, args = plan.zigzag, (plan.kernel, plan.spec.scale, plan.spec.softcap)
     acc_out, acc_lse = new_accumulator(q.shape, v.shape[-1], q.dtype, q.device)
     post = lambda i: _Block(zz, "ring.fwd.kv", k, v, zz.blocks[i])  # noqa: E731
     pending = post(0) if zz.blocks else None
-    forward_calls(q, k, v, plan_step(zz.size, zz.rank, zz.rank, zz.chunk, zz.window), *args,
-                  acc_out, acc_lse)
+    forward_calls(q, k, v, geo.self_calls(zz), *args, acc_out, acc_lse)
     for i in range(len(zz.blocks)):
         blk = pending.wait()
         pending = post(i + 1) if i + 1 < len(zz.blocks) else None
@@ -118,13 +114,12 @@ def ring_backward(dout, q, k, v, out, lse, plan):
     dq, dk, dv = (GradAccumulator(t.shape, gdt, q.device) for t in (q, k, v))
     post = lambda i: _Block(zz, "ring.bwd.kv", k, v, zz.blocks[i])  # noqa: E731
     pending = post(0) if zz.blocks else None
-    backward_calls(dout, q, k, v, out, lse, dlse,
-                   plan_step(zz.size, zz.rank, zz.rank, zz.chunk, zz.window), *args, dq, dk, dv)
+    backward_calls(dout, q, k, v, out, lse, dlse, geo.self_calls(zz), *args, dq, dk, dv)
     returning = None
     for i, steps in enumerate(zz.blocks):
         blk = pending.wait()
         pending = post(i + 1) if i + 1 < len(zz.blocks) else None
-        rdt = lambda r, steps=steps: return_dtype(kernel, q.dtype, zz.size, r, zz.chunk, zz.window, steps)  # noqa: E731
+        rdt = lambda r, steps=steps: return_dtype(kernel, q.dtype, geo.exclusive(zz, r, steps))  # noqa: E731
         gk, gv = (GradAccumulator(t.shape, rdt(zz.rank), q.device) for t in (blk.k, blk.v))
         backward_calls(dout, q, blk.k, blk.v, out, lse, dlse, blk.calls, *args, dq, gk, gv)
         posted = _GradReturn(zz, gk.result(), gv.result(), blk.slots, k, v, steps, rdt)
@@ -143,26 +138,27 @@ class _GradReturn:
     def __init__(self, zz, gk, gv, slots, k, v, steps, rdt):
         self.exchange = Exchange(zz.group, "ring.bwd.dkv")
         for slot in slots:
-            end = slot.off + slot.k1 - slot.k0
+            end = slot.off + slot.size
             self.exchange.send(gk[:, slot.off:end], slot.src).send(gv[:, slot.off:end], slot.src)
         self.received = []
         b = k.shape[0]
         for s in steps:
             dst = (zz.rank + s) % zz.size
-            kr = key_range(zz.size, dst, zz.rank, zz.chunk, zz.window)
-            if kr is not None:
-                n = kr[1] - kr[0]
+            ranges = geo.send_ranges(zz, dst)
+            if ranges:
+                n = sum(b1 - b0 for b0, b1 in ranges)
                 rk = gk.new_empty((b, n) + tuple(k.shape[2:]), dtype=rdt(dst))
                 rv = gv.new_empty((b, n) + tuple(v.shape[2:]), dtype=rdt(dst))
                 self.exchange.recv(rk, dst).recv(rv, dst)
-                self.received.append((kr, rk, rv))
+                self.received.append((ranges, rk, rv))
         self.exchange.start()
 
     def add_into(self, dk, dv) -> None:
         self.exchange.wait()
-        for (k0, k1), rk, rv in self.received:      # step order: deterministic sums
-            dk.add(k0, k1, rk)
-            dv.add(k0, k1, rv)
+        for ranges, rk, rv in self.received:        # step order: deterministic sums
+            for (k0, k1, pk), (_, _, pv) in zip(geo.split(rk, ranges), geo.split(rv, ranges)):
+                dk.add(k0, k1, pk)
+                dv.add(k0, k1, pv)
 
 
 @guarded
