@@ -18,17 +18,24 @@ silently computes uncapped gradients): its absence is a probe rejection when a c
 Empty rows: forward LSE is +inf -> mapped to -inf for the contract; backward gets -inf -> +inf
 back (FA2 computes exp(s - lse), and exp(-inf - (+inf)) = 0 where exp(-inf - (-inf)) is NaN).
 Any cap <= 0 is "off" in FA2; we pass 0.0 for off.
+
+Packed documents (segments=, more than one segment): `_flash_attn_varlen_forward/backward`, in
+the same two families (window_size_left/right or window_size; the 2.6 varlen forward also takes
+block_table), with q/k/v as one [total, H, D] stream (so B must be 1), cu_seqlens_q/k = the
+segments as int32 device tensors (cached per geometry), max_seqlen_q/k the longest segment. The
+varlen LSE is [H, total_q] -> [1, H, Sq] for the contract and back; +inf/-inf as above. The
+window is applied per segment, bottom-right aligned: the contract's segment rule.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
 from ..spec import Window
 from ._common import (common_cuda_reason, cuda_arch, empty_result, fa2_lse, fa_window,
                       missing_params, softcap_value, try_import)
-from .base import Capabilities, Kernel
+from .base import Capabilities, Kernel, check_segments
 
 _MODULE = "flash_attn.flash_attn_interface"
 _COMMON = ("dropout_p", "softmax_scale", "causal", "alibi_slopes")
@@ -52,6 +59,30 @@ def signature_family(fwd, bwd) -> tuple:
     return family, None
 
 
+_VARLEN = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softcap")
+
+
+def varlen_reason(mod, family: str) -> Optional[str]:
+    """None if the module's varlen functions take what packed calls pass, else why not."""
+    fwd = getattr(mod, "_flash_attn_varlen_forward", None)
+    bwd = getattr(mod, "_flash_attn_varlen_backward", None)
+    if fwd is None or bwd is None:
+        return f"this flash-attn has no _flash_attn_varlen_forward/backward; {INSTALL_HINT}"
+    win = ("window_size_left", "window_size_right") if family == "split" else ("window_size",)
+    miss = missing_params(fwd, _VARLEN + win) + missing_params(bwd, _VARLEN + win + ("dq",))
+    if miss:
+        return f"this flash-attn's varlen functions lack parameters {sorted(set(miss))}; {INSTALL_HINT}"
+    return None
+
+
+def varlen_lse(lse: torch.Tensor, sq: int) -> torch.Tensor:
+    """flash-attn varlen LSE [H, total_q] (+inf for empty rows) -> contract [1, H, Sq]."""
+    if lse.dim() != 2 or lse.shape[1] != sq:
+        raise RuntimeError(f"flash-attn varlen LSE has shape {tuple(lse.shape)}, expected "
+                           f"[heads, {sq}] (flash-attn >= 2.6.2 returns it unpadded); {INSTALL_HINT}")
+    return fa2_lse(lse).unsqueeze(0)
+
+
 def backward_has_softcap(bwd) -> bool:
     """flash-attn >= 2.6.2: the backward takes softcap (earlier ones drop it silently)."""
     return not missing_params(bwd, ("softcap",))
@@ -64,12 +95,14 @@ class FA2Kernel(Kernel):
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         devices=frozenset({"cuda"}), backward_devices=frozenset({"cuda"}),
         max_head_dim=256, head_dim_multiple=8, cp=True, dlse=False, deterministic_backward=True,
-        grads_in_input_dtype=True,
-        notes=("flash-attn >= 2.6.2 (softcap backward); LSE +inf for empty rows normalised",))
+        grads_in_input_dtype=True, segments=True,
+        notes=("flash-attn >= 2.6.2 (softcap backward); LSE +inf for empty rows normalised",
+               "packed documents through the varlen functions, batch size 1"))
 
     def __init__(self, module=None):
         self._mod, self._family, self._reason = None, None, None
         self._loaded = False
+        self._cu: Dict[tuple, tuple] = {}               # (segments, device) -> int32 cu tensors
         if module is not None:            # tests inject a stand-in module
             self._bind(module)
 
@@ -103,6 +136,8 @@ class FA2Kernel(Kernel):
                 self._mod._flash_attn_backward):
             return ("this flash-attn's backward has no softcap parameter (< 2.6.2): its softcap "
                     f"gradients are silently wrong; {INSTALL_HINT}")
+        if spec.documents:
+            return varlen_reason(self._mod, self._family)
         return None
 
     def _win_kwargs(self, window: Window) -> dict:
@@ -111,13 +146,53 @@ class FA2Kernel(Kernel):
             return {"window_size_left": left, "window_size_right": right}
         return {"window_size": (left, right)}
 
-    def forward(self, q, k, v, *, scale: float, softcap: Optional[float], window: Window):
+    def _packed(self, segments, q, k):
+        """(cu_q, cu_k, max_q, max_k) for a call with several segments, else None."""
+        segs = check_segments(segments, q.shape[1], k.shape[1], "fa2")
+        if segs is None or segs.single():
+            return None
+        if q.shape[0] != 1:
+            raise ValueError(f"fa2 packed-document calls need batch size 1 (flash-attn's varlen "
+                             f"functions pack the batch into one token stream); got batch size "
+                             f"{q.shape[0]}: pass one packed stream [1, T, H, D]")
+        reason = varlen_reason(self._mod, self._family)
+        if reason:
+            raise RuntimeError(reason)
+        key = (segs, str(q.device))
+        if key not in self._cu:
+            if len(self._cu) >= 256:
+                self._cu.pop(next(iter(self._cu)))
+            cu = [torch.tensor(c, dtype=torch.int32, device=q.device) for c in segs]
+            self._cu[key] = (cu[0], cu[1], max(b - a for a, b in zip(segs.cu_q, segs.cu_q[1:])),
+                             max(b - a for a, b in zip(segs.cu_k, segs.cu_k[1:])))
+        return self._cu[key]
+
+    def _varlen_forward(self, q, k, v, packed, scale, cap, window):
+        cu_q, cu_k, max_q, max_k = packed
+        fwd = self._mod._flash_attn_varlen_forward
+        if self._family == "split":      # custom ops since 2.7: positional, documented order
+            left, right = fa_window(window)
+            res = fwd(q[0], k[0], v[0], cu_q, cu_k, max_q, max_k, 0.0, scale, False, left, right,
+                      cap, None, False)
+        else:
+            extra = {} if missing_params(fwd, ("block_table",)) else {"block_table": None}
+            res = fwd(q[0], k[0], v[0], cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale,
+                      causal=False, softcap=cap, alibi_slopes=None, return_softmax=False,
+                      **self._win_kwargs(window), **extra)
+        out, lse = (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
+        return out.unsqueeze(0), varlen_lse(lse, q.shape[1])
+
+    def forward(self, q, k, v, *, scale: float, softcap: Optional[float], window: Window,
+                segments=None):
         """q [B,Sq,Hq,D], k/v [B,Sk,Hkv,D] -> out [B,Sq,Hq,Dv], lse [B,Hq,Sq] fp32 (-inf empty)."""
         if q.shape[1] == 0 or k.shape[1] == 0:
             return empty_result(q, v)
         if self._interface() is None:
             raise RuntimeError(self._reason)
         cap = softcap_value(softcap)
+        packed = self._packed(segments, q, k)
+        if packed is not None:
+            return self._varlen_forward(q, k, v, packed, scale, cap, window)
         if self._family == "split":      # custom ops since 2.7: positional, documented order
             left, right = fa_window(window)
             res = self._mod._flash_attn_forward(q, k, v, 0.0, scale, False, left, right, cap,
@@ -130,7 +205,7 @@ class FA2Kernel(Kernel):
         return out, fa2_lse(lse)
 
     def backward(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
-                        window: Window, dlse: Optional[torch.Tensor] = None):
+                        window: Window, dlse: Optional[torch.Tensor] = None, segments=None):
         """(dq, dk, dv) in the input dtype given the final merged out/lse; FA2 has no dlse."""
         if dlse is not None:
             raise ValueError("fa2 has no LSE gradient; the selector should not pick it when the "
@@ -148,6 +223,10 @@ class FA2Kernel(Kernel):
                                f"return wrong gradients; {INSTALL_HINT}")
         det = torch.are_deterministic_algorithms_enabled()
         dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
+        packed = self._packed(segments, q, k)
+        if packed is not None:
+            return self._varlen_backward(dout, q, k, v, out, lse_in, packed, scale, softcap,
+                                         window, det)
         if self._family == "split":
             left, right = fa_window(window)
             self._mod._flash_attn_backward(dout, q, k, v, out, lse_in, dq, dk, dv, 0.0, scale,
@@ -160,3 +239,19 @@ class FA2Kernel(Kernel):
                 kw["softcap"] = softcap_value(softcap)
             self._mod._flash_attn_backward(dout, q, k, v, out, lse_in, dq, dk, dv, **kw)
         return dq, dk, dv
+
+    def _varlen_backward(self, dout, q, k, v, out, lse_in, packed, scale, softcap, window, det):
+        """Packed backward: lse_in [1, H, Sq] (+inf for empty rows) goes in as [H, total_q];
+        gradients are written into [total, H, D] buffers and returned as [1, S, H, D]."""
+        cu_q, cu_k, max_q, max_k = packed
+        dq, dk, dv = (torch.empty_like(t[0]) for t in (q, k, v))
+        bwd = self._mod._flash_attn_varlen_backward
+        args = (dout[0], q[0], k[0], v[0], out[0], lse_in[0].contiguous(), dq, dk, dv, cu_q, cu_k,
+                max_q, max_k)
+        if self._family == "split":
+            left, right = fa_window(window)
+            bwd(*args, 0.0, scale, False, left, right, softcap_value(softcap), None, det, None)
+        else:
+            bwd(*args, dropout_p=0.0, softmax_scale=scale, causal=False, softcap=softcap_value(softcap),
+                alibi_slopes=None, deterministic=det, rng_state=None, **self._win_kwargs(window))
+        return dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)

@@ -1,0 +1,141 @@
+"""flash-attn varlen paths of the fa2 (and fa4) adapters for packed documents, on CPU through
+stand-in modules: the stand-ins check what the adapter passes (3-D token streams, int32
+cu_seqlens equal to the segments, max_seqlen ints, window ints, softcap 0.0 for off, +inf LSE
+markers in backward) and compute the varlen math with the torch kernel's segments path, so the
+adapters' plumbing and LSE conversions are compared with the float64 masked reference."""
+import pytest
+import torch
+
+from cp_softcap.kernels.base import Segments
+from cp_softcap.kernels.fa2 import FA2Kernel, varlen_reason
+from cp_softcap.kernels.torch_kernel import TorchKernel
+from cp_softcap.spec import make_spec
+from segment_checks import SEGMENT_CASES, SEGMENT_IDS, check_segmented, inputs
+from test_kernel_adapters import _fake_fa2
+
+INF = float("inf")
+TK = TorchKernel(block_q=16, block_k=24)
+
+
+def _segments(cu_q, cu_k, max_q, max_k, q):
+    assert q.dim() == 3, "varlen functions take one [total, H, D] stream"
+    for cu in (cu_q, cu_k):
+        assert cu.dtype == torch.int32 and cu.device == q.device
+    segs = Segments(tuple(cu_q.tolist()), tuple(cu_k.tolist()))
+    assert max_q == max(b - a for a, b in zip(segs.cu_q, segs.cu_q[1:])) and isinstance(max_q, int)
+    assert max_k == max(b - a for a, b in zip(segs.cu_k, segs.cu_k[1:])) and isinstance(max_k, int)
+    return segs
+
+
+def _win(left, right):
+    assert isinstance(left, int) and isinstance(right, int)
+    return (None if left < 0 else left, None if right < 0 else right)
+
+
+def varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window, cap):
+    assert dropout_p == 0.0 and causal is False and isinstance(cap, float)
+    segs = _segments(cu_q, cu_k, max_q, max_k, q)
+    out, lse = TK.forward(q[None], k[None], v[None], scale=scale, softcap=cap or None,
+                          window=_win(*window), segments=segs)
+    lse = lse[0].float()                                            # [H, total_q]
+    return out[0].to(q.dtype), torch.where(lse == -INF, torch.full_like(lse, INF), lse)
+
+
+def varlen_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, scale, window, cap):
+    assert lse.dim() == 2 and lse.shape[1] == q.shape[0], "varlen LSE is [H, total_q]"
+    assert not (lse == -INF).any(), "flash-attn backward must get +inf (not -inf) for empty rows"
+    segs = _segments(cu_q, cu_k, max_q, max_k, q)
+    lse = torch.where(lse == INF, torch.full_like(lse, -INF), lse)[None]
+    g = TK.backward(dout[None], q[None], k[None], v[None], out[None], lse, scale=scale,
+                    softcap=cap or None, window=_win(*window), segments=segs)
+    for dst, src in zip((dq, dk, dv), g):
+        dst.copy_(src[0])
+
+
+def fake_fa2_varlen(family: str):
+    m = _fake_fa2(family)
+    if family == "split":
+        def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                       max_seqlen_k, dropout_p, softmax_scale, causal,
+                                       window_size_left=-1, window_size_right=-1, softcap=0.0,
+                                       alibi_slopes=None, return_softmax=False, block_table=None,
+                                       leftpad_k=None, seqused_k=None, zero_tensors=False):
+            out, lse = varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal,
+                                  (window_size_left, window_size_right), softcap)
+            return out, lse, None, None
+
+        def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
+                                        cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                        softmax_scale, causal, window_size_left, window_size_right,
+                                        softcap, alibi_slopes, deterministic, rng_state=None,
+                                        zero_tensors=False):
+            varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                       max_seqlen_q, max_seqlen_k, softmax_scale,
+                       (window_size_left, window_size_right), softcap)
+            return None
+    else:
+        def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                       max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                       softcap, alibi_slopes, return_softmax, block_table,
+                                       leftpad_k=None, seqused_k=None):
+            out, lse = varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal, window_size, softcap)
+            return out, q, k, v, out, lse, None, None
+
+        def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
+                                        cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                        softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                        deterministic, rng_state=None):
+            varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                       max_seqlen_q, max_seqlen_k, softmax_scale, window_size, softcap)
+            return dq, dk, dv, None
+    m._flash_attn_varlen_forward = _flash_attn_varlen_forward
+    m._flash_attn_varlen_backward = _flash_attn_varlen_backward
+    return m
+
+
+CAPS = [30.0, 50.0, 1.0, 5.0]
+# the adapters return a float32 LSE (the contract) and flash-attn computes backward from it
+F32_LSE = {"lse": 1e-6, "dq": 1e-5, "dk": 1e-5, "dv": 1e-5}
+
+
+@pytest.mark.parametrize("family", ["split", "tuple"])
+@pytest.mark.parametrize("ci", range(len(SEGMENT_CASES)), ids=SEGMENT_IDS)
+def test_fa2_varlen_with_stand_in(ci, family):
+    cu_q, cu_k, window, _ = SEGMENT_CASES[ci]
+    check_segmented(FA2Kernel(module=fake_fa2_varlen(family)), (cu_q, cu_k), window,
+                    softcap=CAPS[ci % 4], dtype=torch.float64, hq=4, hkv=1 + ci % 2, tols=F32_LSE)
+
+
+def test_fa2_varlen_needs_batch_one_and_the_functions():
+    k = FA2Kernel(module=fake_fa2_varlen("split"))
+    q, kk, v, _, _ = inputs(((0, 4, 10), (0, 4, 10)), 2, 2, 16, torch.float64, None, b=2)
+    with pytest.raises(ValueError, match="batch size 1"):
+        k.forward(q, kk, v, scale=0.25, softcap=None, window=(None, 0), segments=((0, 4, 10), (0, 4, 10)))
+    old = FA2Kernel(module=_fake_fa2("split"))                   # no varlen functions
+    assert "varlen" in varlen_reason(old._mod, "split")
+    with pytest.raises(RuntimeError, match="varlen"):
+        old.forward(q[:1], kk[:1], v[:1], scale=0.25, softcap=None, window=(None, 0),
+                    segments=((0, 4, 10), (0, 4, 10)))
+
+
+def test_fa2_one_segment_takes_the_plain_path():
+    """One segment never reaches the varlen functions (the stand-in's plain path is used)."""
+    m = fake_fa2_varlen("split")
+    m._flash_attn_varlen_forward = None
+    k = FA2Kernel(module=m)
+    q, kk, v, _, _ = inputs(((0, 10), (0, 12)), 2, 1, 16, torch.float64, 5.0)
+    kw = dict(scale=0.25, softcap=5.0, window=(None, 0))
+    a = k.forward(q, kk, v, **kw)
+    b = k.forward(q, kk, v, segments=((0, 10), (0, 12)), **kw)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_fa2_probe_checks_varlen_for_packed_specs(monkeypatch):
+    monkeypatch.setattr("cp_softcap.kernels.fa2.cuda_arch", lambda: 90)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    spec = make_spec(head_dim=64, num_heads=4, num_kv_heads=2, dtype=torch.bfloat16,
+                     device_type="cuda", softcap=50.0, causal=True, documents=True)
+    assert FA2Kernel(module=fake_fa2_varlen("tuple")).probe(spec) is None
+    assert "varlen" in FA2Kernel(module=_fake_fa2("tuple")).probe(spec)
