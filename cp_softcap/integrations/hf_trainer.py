@@ -1,0 +1,240 @@
+"""HF `Trainer` with context parallelism: a dp x cp run of an `attn_implementation="cp_softcap"`
+model, with Trainer's own training loop.
+
+    import torch.distributed as dist
+    from cp_softcap.integrations.hf_trainer import CPTrainer, cp_mesh
+    args = TrainingArguments(...)          # under torchrun: initialises torch.distributed
+    mesh = cp_mesh(cp=2)                   # DeviceMesh (dp, cp) over the world, cp on adjacent ranks
+    model = Gemma2ForCausalLM.from_pretrained(path, attn_implementation="cp_softcap")
+    trainer = CPTrainer(model=model, args=args, train_dataset=ds, cp_mesh=mesh, cp_comm="ring")
+    trainer.train()
+
+What CPTrainer changes, each through a Trainer or accelerate hook (docs/hf_trainer.md):
+- data: the DataLoaders accelerate prepares are sharded over the dp ranks only (its
+  BatchSamplerShard gets dp size and dp rank), so all CP ranks of a dp group read the same batch;
+  the collator is wrapped in `CPCollator`, which shifts the labels on the FULL sequence, then keeps
+  this rank's zigzag shard of input_ids and labels and adds the global position_ids.
+- loss: Trainer counts the valid labels of the sharded batches and sums the counts over the world
+  (`average_tokens_across_devices=True`, required), so every rank's loss is its cross-entropy sum
+  divided by the GLOBAL count; Trainer scales it by the world size, which cancels DDP's average:
+  the gradients are summed over cp and averaged over dp, the loss equals the one-process loss.
+- evaluation: loss only (the logits are sharded); each dp group's batch loss is its token mean,
+  as in a one-process evaluation with the same per-device batch size.
+
+Refused with a message naming the fix: cp that does not divide the world, a model whose attention
+does not route through cp_softcap, a padding attention mask, packed batches (position_ids that
+restart), sequence lengths that 2 * cp does not divide, accelerate's own CP/SP/TP, per-rank
+token averaging, label smoothing, a custom compute_loss_func, dispatched batches.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import Trainer
+
+from ..sharding import positions, shard
+from .hf import cp_softcap_attention, use_cp_group
+
+_TOKEN_KEYS = ("input_ids", "labels", "shift_labels", "attention_mask", "position_ids")
+
+
+def cp_mesh(cp: int, *, device_type: Optional[str] = None):
+    """DeviceMesh (dp, cp) over the whole world, dims named "dp" and "cp", cp on adjacent ranks
+    (ranks r and r + 1 share a dp group when cp > 1). Initialises torch.distributed from the
+    torchrun environment when it is not yet (TrainingArguments usually has done it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1 or world % cp:
+        rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
+        divisors = [c for c in range(1, world + 1) if world % c == 0]
+        raise ValueError(f"cp={cp!r} does not divide the world of {world} ranks (rank {rank}); "
+                         f"the mesh is dp x cp with dp = world / cp: use cp in {divisors}")
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if world == 1 and not dist.is_initialized():     # one process: a mesh needs a process group
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return init_device_mesh(device_type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
+
+
+def shard_batch(batch: dict, cp: int, rank: int) -> dict:
+    """A collated causal-LM batch (input_ids [B, S], labels [B, S] as HF takes them, unshifted)
+    -> this CP rank's shard: input_ids, labels == shift_labels (shifted on the full sequence, then
+    sharded) and position_ids [B, S/cp] (global zigzag positions). cp == 1 gives the same keys
+    unsharded, so a one-process run sees the same loss inputs."""
+    batch = dict(batch)
+    ids = batch["input_ids"]
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(ids.shape)}")
+    b, s = ids.shape
+    _check_mask(batch.pop("attention_mask", None))
+    _check_positions(batch.pop("position_ids", None), s)
+    _check_other_keys(batch, b, s)
+    if s % (2 * cp):
+        raise ValueError(
+            f"sequence length {s} of this batch is not a multiple of 2 * cp = {2 * cp} (CP rank {rank}): "
+            "the zigzag layout splits it into 2 * cp equal chunks. Pad every batch to a multiple of "
+            f"{2 * cp} (e.g. the tokenizer's or collator's pad_to_multiple_of={2 * cp}, or "
+            f"cp_softcap.sharding.pad_to_multiple(x, {2 * cp}) with labels -100) without an attention mask")
+    shifted = batch.pop("shift_labels", None)
+    labels = batch.pop("labels", None)
+    if shifted is None and labels is not None:
+        shifted = F.pad(labels[:, 1:], (0, 1), value=-100)   # HF's causal shift, on the full sequence
+    out = dict(batch)
+    out["input_ids"] = shard(ids, cp, rank).contiguous()
+    out["position_ids"] = positions(s, cp, rank, device=ids.device)[None].expand(b, -1).contiguous()
+    if shifted is not None:
+        # labels must be non-None for HF to compute a loss; shift_labels stops HF shifting the shard
+        out["labels"] = out["shift_labels"] = shard(shifted, cp, rank).contiguous()
+    return out
+
+
+def _check_mask(mask) -> None:
+    if mask is None or bool(torch.as_tensor(mask).bool().all()):
+        return          # no mask, or a tokenizer's all-ones mask: nothing to apply
+    raise ValueError(
+        f"the batch has an attention_mask {tuple(mask.shape)} with padding (zeros); context-parallel "
+        "attention applies only causal and sliding-window masks. Right padding needs no mask: give the "
+        "pad positions labels -100 and drop attention_mask (e.g. remove it in the collator).")
+
+
+def _check_positions(pos, s: int) -> None:
+    if pos is None:
+        return
+    pos = torch.as_tensor(pos).reshape(-1, s)
+    if bool((pos == torch.arange(s, device=pos.device)).all()):
+        return          # plain positions, recomputed per shard
+    raise ValueError(
+        f"the batch has position_ids that are not 0..{s - 1} in every row (first row starts "
+        f"{pos[0, :8].tolist()}): packed documents (position resets, e.g. DataCollatorWithFlattening or "
+        "a padding-free collator) are not supported by CPTrainer in this version. Use one document per "
+        "row, right-padded with labels -100.")
+
+
+def _check_other_keys(batch: dict, b: int, s: int) -> None:
+    for key, value in batch.items():
+        if key in _TOKEN_KEYS or not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() >= 2 and tuple(value.shape[:2]) == (b, s):
+            raise ValueError(f"the batch has a per-token tensor {key!r} {tuple(value.shape)} that "
+                             "CPTrainer does not know how to shard; remove it in the collator")
+
+
+class CPCollator:
+    """Wraps a data collator: collate with it, then keep this CP rank's shard (shard_batch)."""
+
+    def __init__(self, collator, cp: int, rank: int):
+        self.collator, self.cp, self.rank = collator, cp, rank
+
+    def __call__(self, features):
+        return shard_batch(self.collator(features), self.cp, self.rank)
+
+
+def check_cp_model(model) -> None:
+    """Raise unless every attention of `model` goes through cp_softcap's registered function."""
+    from transformers import AttentionInterface
+    model = getattr(model, "module", model)
+    configs = [model.config] + [getattr(model.config, k) for k in getattr(model.config, "sub_configs", {})]
+    for config in configs:
+        name = getattr(config, "_attn_implementation", None)
+        if name is None:
+            continue
+        fn = AttentionInterface._global_mapping.get(name)
+        if fn is not cp_softcap_attention:
+            raise ValueError(
+                f"{type(model).__name__} runs attention with attn_implementation={name!r}, which does not "
+                "route through cp_softcap, so its attention would not be context parallel. Load it with "
+                "attn_implementation='cp_softcap' (import cp_softcap.integrations.hf first) or call "
+                "model.set_attn_implementation('cp_softcap').")
+
+
+class CPTrainerMixin:
+    """Mix into a Trainer class (first base) for dp x cp training: `cp_mesh` is the (dp, cp)
+    DeviceMesh from cp_mesh(); `cp_comm` the CP algorithm ("ring", "all_gather", "a2a", "auto")
+    and `cp_backend` the kernel, as for cp_softcap.integrations.hf.use_cp_group."""
+
+    def __init__(self, *args, cp_mesh, cp_comm: str = "ring", cp_backend: str = "auto", **kwargs):
+        super().__init__(*args, **kwargs)
+        if tuple(cp_mesh.mesh_dim_names or ()) != ("dp", "cp"):
+            raise ValueError(f"cp_mesh must be a 2-D DeviceMesh with dims ('dp', 'cp') (cp_mesh()), "
+                             f"got dims {cp_mesh.mesh_dim_names}")
+        self.cp_mesh = cp_mesh
+        self.cp_size, self.cp_rank = cp_mesh.size(1), cp_mesh.get_local_rank("cp")
+        self.dp_size, self.dp_rank = cp_mesh.size(0), cp_mesh.get_local_rank("dp")
+        self._check_setup()
+        check_cp_model(self.model)
+        use_cp_group(cp_mesh.get_group("cp") if self.cp_size > 1 else None, comm=cp_comm,
+                     backend=cp_backend)
+        self.data_collator = CPCollator(self.data_collator, self.cp_size, self.cp_rank)
+
+    def _check_setup(self) -> None:
+        args, world = self.args, self.cp_mesh.size()
+        problems = []
+        if world != args.world_size:
+            problems.append(f"cp_mesh spans {world} ranks but Trainer runs on {args.world_size}")
+        if self.get_cp_size() * self.get_sp_size() * self.get_tp_size() != 1:
+            problems.append("accelerate's parallelism_config sets cp/sp/tp > 1: use one CP mechanism")
+        if not args.average_tokens_across_devices:
+            problems.append("average_tokens_across_devices=False normalises the loss per rank; set it True")
+        if not self.model_accepts_loss_kwargs:
+            problems.append("the model does not take num_items_in_batch, so the loss cannot be "
+                            "normalised by the global token count")
+        if args.label_smoothing_factor or self.compute_loss_func is not None:
+            problems.append("label smoothing / compute_loss_func see sharded logits without the global "
+                            "token count; leave them unset")
+        if problems:
+            raise ValueError(f"CPTrainer (global rank {args.process_index}): " + "; ".join(problems))
+
+    # ---- data: one batch per dp group, sharded over its CP ranks by the collator
+    def get_train_dataloader(self):
+        return self._shard_over_dp(super().get_train_dataloader())
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return self._shard_over_dp(super().get_eval_dataloader(eval_dataset))
+
+    def get_test_dataloader(self, test_dataset):
+        return self._shard_over_dp(super().get_test_dataloader(test_dataset))
+
+    def _shard_over_dp(self, loader):
+        """Point accelerate's per-process sharding at the dp rank instead of the global rank (as
+        Trainer itself does for its rank-aware BatchRebalanceSampler)."""
+        from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
+        if self.args.world_size == 1:
+            return loader
+        if isinstance(loader, DataLoaderDispatcher):
+            raise ValueError("CPTrainer needs each rank to load its own batches: set "
+                             "TrainingArguments(accelerator_config={'dispatch_batches': False})")
+        sampler, dataset = getattr(loader, "batch_sampler", None), getattr(loader, "dataset", None)
+        target = sampler if isinstance(sampler, BatchSamplerShard) else dataset
+        if not isinstance(target, (BatchSamplerShard, IterableDatasetShard)):
+            raise ValueError(f"CPTrainer cannot shard a {type(loader).__name__} over dp ranks: it needs "
+                             "the DataLoader that accelerate prepares (BatchSamplerShard or IterableDatasetShard)")
+        target.num_processes, target.process_index = self.dp_size, self.dp_rank
+        return loader
+
+    def get_total_train_batch_size(self, args) -> int:
+        return self._train_batch_size * args.gradient_accumulation_steps * self.dp_size
+
+    # ---- evaluation: the dp group's token-mean loss on every CP rank
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        if "shift_labels" not in inputs:
+            raise ValueError("CPTrainer evaluates the loss only and needs labels in the eval batches")
+        with torch.no_grad():
+            count = inputs["shift_labels"].ne(-100).sum()
+            group = self.cp_mesh.get_group("cp")
+            if self.cp_size > 1:
+                dist.all_reduce(count, group=group)
+            with self.compute_loss_context_manager():
+                loss = model(**inputs, num_items_in_batch=count).loss.detach()
+            if self.cp_size > 1:
+                dist.all_reduce(loss, group=group)
+        return loss, None, None
+
+
+class CPTrainer(CPTrainerMixin, Trainer):
+    """transformers.Trainer with context parallelism (CPTrainerMixin). For another Trainer class
+    (e.g. TRL's SFTTrainer): `class CPSFTTrainer(CPTrainerMixin, SFTTrainer): pass`."""
