@@ -197,3 +197,65 @@ def test_bad_boundaries_raise_on_every_rank():
         assert "strictly increasing" in messages["all decreasing"]
         assert "sharding.shard" in messages["local length"]
     print(results[0][0]["decreasing"])
+
+
+BYTE_CASES = [
+    # (comm, a2a_size, causal, window, native partials, dtype)
+    ("ring", None, True, None, False, torch.float32),
+    ("ring", None, True, (6, 0), True, torch.bfloat16),
+    ("ring", None, False, (9, 4), True, torch.bfloat16),
+    ("ring", None, True, None, True, torch.bfloat16),
+    ("all_gather", None, True, (6, 0), False, torch.bfloat16),
+    ("a2a", None, True, None, True, torch.bfloat16),
+    ("a2a+p2p", 2, True, None, False, torch.bfloat16),
+    ("a2a+p2p", 2, True, (6, 0), True, torch.bfloat16),
+]
+
+
+def _bytes_worker(rank, world, block_keys):
+    import torch.distributed as dist
+    import cp_softcap as cps
+    from cases import native_standin
+    from cp_softcap.sharding import shard
+    from cp_softcap.transport import counting
+    os.environ["CP_SOFTCAP_RING_BLOCK_KEYS"] = block_keys
+    cu, s, _ = _cases(world)[0]
+    hybrid = cps.make_hybrid_groups(None, 2)
+    native = native_standin()
+    out = []
+    for i, (comm, a2a, causal, window, nat, dtype) in enumerate(BYTE_CASES):
+        g = torch.Generator().manual_seed(i)
+        q, k, v = (shard(torch.randn(2, s, h, 8, generator=g), world, rank, cu_seqlens=cu)
+                   .to(dtype).requires_grad_() for h in (4, 2, 2))
+        with counting() as fwd:
+            o = cps.cp_attention(q, k, v, hybrid if comm == "a2a+p2p" else dist.group.WORLD,
+                                 softcap=5.0, causal=causal, window=window, comm=comm,
+                                 backend=native if nat else "auto", cu_seqlens=cu)
+        with counting() as bwd:
+            o.backward(torch.ones_like(o))
+        out.append({"fwd": dict(fwd.sent), "bwd": dict(bwd.sent)})
+    return out
+
+
+@pytest.mark.parametrize("block_keys", ["0", "16384"])
+def test_byte_model_equals_counted_bytes(block_keys):
+    """cp/auto.py's model with documents= == the bytes each rank counted, op by op (cp 4)."""
+    from cp_softcap.cp.auto import bytes_per_rank, sent_per_rank
+    from cp_softcap.sharding import layout_for
+    from cp_softcap.spec import make_spec
+    world = 4
+    cu, s, _ = _cases(world)[0]
+    layout = layout_for(cu, s, world)
+    measured = run_ranks(_bytes_worker, world, block_keys, timeout=200)
+    for i, (comm, a2a, causal, window, nat, dtype) in enumerate(BYTE_CASES):
+        spec = make_spec(head_dim=8, num_heads=4, num_kv_heads=2, dtype=dtype, device_type="cpu",
+                         softcap=5.0, causal=causal, window=window, cp_size=world, comm=comm,
+                         documents=True)
+        kw = dict(partial_bytes=dtype.itemsize if nat else None, block_keys=int(block_keys),
+                  documents=layout)
+        model = sent_per_rank(spec, layout.seq_len, comm, batch=2, a2a_size=a2a, **kw)
+        for r in range(world):
+            want = {ph: {op: b for op, b in model[r].items() if f".{ph}." in op} for ph in ("fwd", "bwd")}
+            assert measured[r][i] == want, f"{BYTE_CASES[i]} rank {r}: counted {measured[r][i]} != {want}"
+        busiest = max(sum(m[i]["fwd"].values()) + sum(m[i]["bwd"].values()) for m in measured)
+        assert bytes_per_rank(spec, layout.seq_len, batch=2, a2a_size=a2a, **kw)[comm] == busiest
