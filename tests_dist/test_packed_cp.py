@@ -22,6 +22,7 @@ TOL = 1e-9
 def _cases(cp: int):
     """(cu_seqlens, user stream length S, options). Lengths add up to less than S: the user's
     own padding tail, then the library pads to packed_len(S, cp)."""
+    from cp_softcap.documents import packed_layout
     if cp == 2:     # padded stream 128, 64 tokens per rank
         long = [1, 5, 70, 1, 7, 20, 4]                    # 70 > a rank's share
         s = 118
@@ -39,6 +40,9 @@ def _cases(cp: int):
         (cu, s, dict(softcap=5.0, causal=False, window=(9, 4), hq=4, hkv=1)),
         (few, s, dict(softcap=30.0, causal=True, window=(4, 0), **gqa)),
         ([0, 2, 8], s, dict(softcap=2.0, causal=True, **gqa)),   # other ranks: only padding
+        # a PackedLayout balanced for two layer kinds, passed in place of the boundaries
+        (packed_layout(cu, s, cp, layer_windows=[None, (6, 0)]), s, dict(softcap=50.0, causal=True,
+                                                                         window=(6, 0), **gqa)),
     ]
 
 
@@ -67,32 +71,33 @@ def _run(comm, group, q, k, v, dout, cp, rank, cu, opts):
     return out.detach(), [t.grad for t in local]
 
 
-def _check_case(i, comm, group, cp, rank, cu, s, opts):
+def _check_case(i, comm, group, cp, rank, docs, s, opts):
     from cp_softcap.sharding import packed_len, shard
     from cp_softcap.testing import rel_err, saturating_qkv
+    cu = list(getattr(docs, "cu_seqlens", docs))       # boundaries of a list or a PackedLayout
     torch.manual_seed(300 + i)
     n = packed_len(s, cp)
     q, k, v, frac = saturating_qkv(2, n, n, opts["hq"], opts["hkv"], 8, torch.float64,
                                    opts["softcap"], requires_grad=False)
     dout = torch.randn(q.shape, dtype=torch.float64)
     ref_out, ref_grads = _reference(q, k, v, dout, cu, opts)
-    out, grads = _run(comm, group, q[:, :s], k[:, :s], v[:, :s], dout[:, :s], cp, rank, cu, opts)
+    out, grads = _run(comm, group, q[:, :s], k[:, :s], v[:, :s], dout[:, :s], cp, rank, docs, opts)
     label = f"{comm} cp={cp} rank {rank} case {i}"
     pieces = [(out, ref_out)] + list(zip(grads, ref_grads))
     errs = []
     for got, want in pieces:
         if not torch.isfinite(got).all():
             raise AssertionError(f"NaN/inf in the result [{label}]")
-        errs.append(rel_err(got, shard(want, cp, rank, cu_seqlens=cu)))
+        errs.append(rel_err(got, shard(want, cp, rank, cu_seqlens=docs)))
     if not max(errs) <= TOL:
         raise AssertionError(f"out/dq/dk/dv rel errors {errs} > {TOL} [{label}]")
-    pad = shard(torch.arange(n), cp, rank, dim=0, cu_seqlens=cu) >= cu[-1]
+    pad = shard(torch.arange(n), cp, rank, dim=0, cu_seqlens=docs) >= cu[-1]
     if any(t[:, pad].abs().max().item() != 0 for t in [out] + grads if pad.any()):
         raise AssertionError(f"padding tokens have a nonzero output or gradient [{label}]")
     # negative control: the same output against the reference WITHOUT the boundaries (checked
     # over all ranks by the caller: a rank may hold only tokens the boundaries do not change)
     dropped, _ = _reference(q, k, v, dout, [0, cu[-1]], opts)
-    miss = rel_err(out, shard(dropped, cp, rank, cu_seqlens=cu))
+    miss = rel_err(out, shard(dropped, cp, rank, cu_seqlens=docs))
     return max(errs), frac, bool(pad.all()), miss
 
 
