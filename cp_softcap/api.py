@@ -17,7 +17,7 @@ from .cp.all_gather import AllGatherAttention
 from .cp.guard import autocast_off
 from .cp.ring import RingAttention
 from .export import export_attention, is_exporting
-from .plan import Backend, local_plan, plan_for, resolve_groups, spec_for
+from .plan import Backend, check_group, local_plan, plan_for, resolve_groups, spec_for
 from .spec import check_comm, check_qkv, normalize_softcap, normalize_window
 
 ALGORITHMS = {"ring": RingAttention, "all_gather": AllGatherAttention, "a2a": A2AAttention,
@@ -133,6 +133,7 @@ class CPAttention(torch.nn.Module):
         self.softcap = normalize_softcap(softcap)
         self.window = normalize_window(window, causal)
         check_comm(comm)
+        check_group(cp_group, comm)
         self.cp_group, self.causal, self.scale = cp_group, causal, scale
         self.comm, self.backend = comm, backend
 

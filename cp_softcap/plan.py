@@ -141,6 +141,7 @@ def resolve_groups(group, comm: str) -> Tuple[tuple, int, int]:
     """((group,) or (a2a group, ring group), CP size, CP rank) for `group` as passed by the user:
     None, a process group, a 1-D DeviceMesh, or for comm='a2a+p2p' a pair / 2-D mesh."""
     check_comm(comm)
+    check_group(group, comm)
     if comm == "a2a+p2p":
         inner, outer = hybrid_groups(group)
         return (inner, outer), dist.get_world_size(inner) * dist.get_world_size(outer), hybrid_rank(inner, outer)
@@ -154,6 +155,45 @@ def resolve_groups(group, comm: str) -> Tuple[tuple, int, int]:
                            "call torch.distributed.init_process_group first (torchrun sets the env), "
                            "or pass group=None for single-device attention")
     return (group,), dist.get_world_size(group), dist.get_rank(group)
+
+
+def check_group(group, comm: str) -> None:
+    """Raise TypeError/ValueError unless `group` is something a CP group can be: None, a
+    ProcessGroup, a DeviceMesh, or for comm='a2a+p2p' a pair of ProcessGroups."""
+    if group is None or _is_mesh(group) or _is_group(group):
+        return
+    if isinstance(group, (tuple, list)):
+        if group and all(isinstance(r, int) and not isinstance(r, bool) for r in group):
+            raise TypeError(f"group={list(group)} is a list of ranks, not a process group: build "
+                            f"one with torch.distributed.new_group({list(group)}) (every rank of the "
+                            "default group must call it) and pass that, or None for one device")
+        if comm != "a2a+p2p":
+            raise ValueError(f"group is a {type(group).__name__} of {len(group)}: a pair of groups is "
+                             f"only meaningful with comm='a2a+p2p' (got comm={comm!r}); pass one "
+                             "ProcessGroup or a 1-D DeviceMesh")
+        if len(group) == 2 and all(_is_group(g) for g in group):
+            return
+        raise TypeError(f"comm='a2a+p2p' needs group=(a2a_group, ring_group), two ProcessGroups, "
+                        f"got {[type(g).__name__ for g in group]}; build them with "
+                        "cp_softcap.make_hybrid_groups(cp_group, a2a_size)")
+    if not isinstance(group, (int, float, str)) and not (dist.is_available() and dist.is_initialized()):
+        return              # resolve_groups: torch.distributed is not initialised
+    hint = (f" (options are keyword arguments: softcap={group!r}?)"
+            if isinstance(group, (int, float)) and not isinstance(group, bool) else "")
+    raise TypeError(f"group={group!r} ({type(group).__name__}) is not a process group: pass a "
+                    "torch.distributed ProcessGroup, a DeviceMesh, or None for one device" + hint)
+
+
+def _is_group(group) -> bool:
+    return dist.is_available() and isinstance(group, dist.ProcessGroup)
+
+
+def _is_mesh(group) -> bool:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(group, DeviceMesh)
 
 
 def _as_process_group(group, comm: str):
@@ -219,8 +259,7 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple, c
     here; invalid ones fail on every rank, after the signature exchange."""
     _check_member(cp)
     where = f"CP rank {rank}"
-    check_qkv(q, k, v, where=where)
-    check_local_shards(q, k, cp, where)
+    _check_inputs(q, k, v, cp, where, groups)
     spec = spec_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
                     cp_size=cp, comm=comm, documents=cu_seqlens is not None)
     layout, doc_error = _documents(cu_seqlens, q.shape[1], cp, rank)
@@ -286,10 +325,31 @@ def _draft(spec: AttnSpec, batch: int, local_len: int, backend: Backend, documen
     return Plan(spec, batch, local_len, _backend_name(backend), kernel, keys, documents), error
 
 
+VALID_INPUTS = ("inputs", "valid")     # the first compared row of every rank with valid inputs
+
+
 def _compare(plan: Plan, groups: tuple, device) -> None:
     for g in groups:
         on = device if dist.get_backend(g) == "nccl" else torch.device("cpu")
-        check_agreement(g, signature(plan), on, "the CP call-signature check")
+        check_agreement(g, (VALID_INPUTS,) + signature(plan), on, "the CP call-signature check")
+
+
+def _check_inputs(q, k, v, cp: int, where: str, groups: tuple) -> None:
+    """check_qkv and check_local_shards. A bad input is first shown to the peers in place of
+    this rank's signature (so a peer in its first-call check fails at once, naming this rank's
+    error) and then raised here."""
+    try:
+        check_qkv(q, k, v, where=where)
+        check_local_shards(q, k, cp, where)
+    except (TypeError, ValueError) as error:
+        row = (("inputs", f"invalid on {where}: {type(error).__name__}: {error}"),)
+        for g in groups:
+            on = q.device if dist.get_backend(g) == "nccl" and torch.is_tensor(q) else torch.device("cpu")
+            try:
+                check_agreement(g, row, on, "the CP call-signature check")
+            except (ValueError, RuntimeError):
+                pass            # the peers saw it (or did not wait for it): this rank's own error
+        raise
 
 
 def _finish(plan: Plan, groups: tuple, rank: int) -> Plan:

@@ -252,12 +252,12 @@ def check_agreement(group, fields: Sequence[Tuple[str, str]], device, what: str,
     if bool((table == table[0]).all()):
         return
     texts = _gather_objects(dict(fields), group, device, what)
-    names = list(dict.fromkeys(n for t in texts for n in t))
+    names = [n for n in dict.fromkeys(n for t in texts for n in t) if all(n in t for t in texts)]
     diffs = []
     for name in names:
-        values = [t.get(name, "(absent)") for t in texts]
+        values = [t[name] for t in texts]
         if any(v != values[0] for v in values):
-            per_rank = ", ".join(f"rank {r}: {values[r]}" for r in range(cp))
+            per_rank = ", ".join(f"rank {r}: {value}" for r, value in enumerate(values))
             diffs.append(f"{name} differs ({per_rank})")
     raise ValueError(f"cp_softcap: the ranks of the CP group called attention differently "
                      f"(seen on rank {dist.get_rank(group)}): " + "; ".join(diffs or ["(digest only)"])

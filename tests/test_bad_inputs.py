@@ -122,6 +122,13 @@ def ok_shard_roundtrip_noncontiguous():
     return "ok"
 
 
+def ok_v_head_dim_other_than_qk():
+    """v's head dim differs from q/k's: auto picks a kernel that serves it (not CPU sdpa)."""
+    q, k, v = qkv(dv=32)
+    check_ref(q, k, v, causal=True)
+    return check_ref(q, k, v, softcap=5.0, causal=True)
+
+
 def fa2_big_head_dim():
     spec = cps.make_spec(head_dim=512, num_heads=4, num_kv_heads=2, dtype=torch.bfloat16,
                          device_type="cuda", softcap=50.0, causal=True)
@@ -208,6 +215,17 @@ MATRIX = [
      r"torch.distributed is not initialised.*init_process_group"),
     ("cp_attention-bad-tensor", lambda: cps.cp_attention(torch.randn(4, 16), *qkv()[1:], None), ValueError, r"4-D"),
     ("cp_attention-scale-nan", lambda: cpa(scale=float("nan")), ValueError, r"scale.*nan"),
+    ("cp_attention-int-group", lambda: cps.cp_attention(*qkv(), 2), TypeError,
+     r"group=2 \(int\) is not a process group.*softcap=2"),
+    ("CPAttention-int-group", lambda: cps.CPAttention(2), TypeError,
+     r"group=2 \(int\) is not a process group.*softcap=2"),
+    ("cp_attention-list-of-ranks", lambda: cps.cp_attention(*qkv(), [0, 1]), TypeError,
+     r"list of ranks.*new_group\(\[0, 1\]\)"),
+    ("CPAttention-list-of-ranks", lambda: cps.CPAttention([0, 1], comm="a2a+p2p"), TypeError,
+     r"list of ranks"),
+    ("make_hybrid_groups-float-size", lambda: cps.make_hybrid_groups(None, 4 / 2), TypeError,
+     r"a2a_size=2.0 \(float\) must be an int"),
+    ("attention-v-head-dim-other-than-qk", ok_v_head_dim_other_than_qk, "ok", ""),
     # ---- sharding helpers
     ("shard-indivisible", lambda: sharding.shard(torch.randn(1, 10, 2), 2, 0), ValueError,
      r"sequence length 10 on rank 0 is not a positive multiple of 2\*cp=4.*pad_to_multiple"),

@@ -43,6 +43,10 @@ def hybrid_rank(inner, outer) -> int:
 def make_hybrid_groups(group, a2a_size: int):
     """Split a CP group into consecutive a2a groups of `a2a_size` ranks and ring groups across
     them. Collective: every rank of the default group must call it. Returns (a2a, ring)."""
+    if isinstance(a2a_size, bool) or not isinstance(a2a_size, int):
+        raise TypeError(f"a2a_size={a2a_size!r} ({type(a2a_size).__name__}) must be an int (e.g. "
+                        f"{int(a2a_size) if isinstance(a2a_size, float) and a2a_size.is_integer() else 2}"
+                        "; use // for an integer division)")
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     cp = len(ranks)
     if a2a_size < 1 or cp % a2a_size != 0:

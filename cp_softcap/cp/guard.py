@@ -58,8 +58,8 @@ def _next_seq(plan) -> int:
 def _rows(plan) -> tuple:
     """(signature rows, their digest), once per plan."""
     if plan not in _ROWS:
-        from ..plan import signature    # plan.py imports this package: resolved at call time
-        rows = signature(plan)
+        from ..plan import VALID_INPUTS, signature    # plan.py imports this package
+        rows = (VALID_INPUTS,) + signature(plan)
         _ROWS[plan] = (rows, digest(rows))
     return _ROWS[plan]
 
