@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-EXAMPLES = ("examples/minimal_cp.py", "examples/hf_cp.py")
+EXAMPLES = ("examples/minimal_cp.py", "examples/hf_cp.py", "examples/packed_cp.py")
 DRY_RUNS = ("benchmarks/cp_multi.py", "benchmarks/cp_sim.py", "benchmarks/fa4_softcap.py",
             "benchmarks/kernels.py")
 # bash blocks whose commands set up a venv or launch the Gemma2 job: CI runs the test command
