@@ -17,6 +17,7 @@ from .cp.all_gather import AllGatherAttention
 from .cp.guard import autocast_off
 from .cp.ring import RingAttention
 from .export import export_attention, is_exporting
+from .packed_local import check_packed, packed_attention
 from .plan import Backend, check_group, local_plan, plan_for, resolve_groups, spec_for
 from .spec import check_comm, check_qkv, normalize_softcap, normalize_window
 
@@ -57,7 +58,7 @@ class _LocalAttention(torch.autograd.Function):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: Optional[float] = None,
               causal: bool = True, window=None, scale: Optional[float] = None,
-              backend: Backend = "auto", return_lse: bool = False
+              backend: Backend = "auto", return_lse: bool = False, cu_seqlens=None
               ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Softcapped attention on one device.
 
@@ -69,10 +70,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: Opt
     causal=True forces right = 0. backend: "auto", a kernel name, or a Kernel instance.
     Returns out [B, Sq, Hq, Dv] in q's dtype, and with return_lse=True also lse [B, Hq, Sq]
     (float32; -inf for rows that see no key), differentiable.
+
+    cu_seqlens (packed documents): boundaries [0, e1, ..., T_docs] (1-D integer tensor or list of
+    ints) of the documents packed into ONE stream, q/k/v [1, T, H, D]. Query i sees key j iff
+    both lie in the same document and the causal/window rule holds (positions within the stream;
+    a window therefore never crosses a document). Tokens past T_docs are padding: out 0, LSE
+    -inf, zero gradients. One document over the whole stream is the unpacked call.
     """
     check_qkv(q, k, v)
+    cu = None if cu_seqlens is None else check_packed(q, k, cu_seqlens)
+    packed = cu is not None and cu != (0, q.shape[1])
     spec = spec_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
-                    return_lse=return_lse)
+                    return_lse=return_lse, documents=packed)
+    if packed:
+        if is_exporting():
+            raise ValueError("cu_seqlens= (packed documents) cannot be exported; export the "
+                             "model on unpacked inputs")
+        out, lse = packed_attention(q, k, v, local_plan(spec, backend), cu)
+        return (out, lse) if return_lse else out
     if is_exporting():     # torch.onnx.export / torch.export: the torch kernel's math, plain ops
         if backend not in ("auto", "torch"):
             raise ValueError(f"backend={backend!r} cannot be exported; export traces the 'torch' "

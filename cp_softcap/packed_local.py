@@ -1,0 +1,70 @@
+"""Packed documents on one device: the engine of `cps.attention(q, k, v, cu_seqlens=cu)`.
+
+q/k/v are one stream [1, T, H, D] holding documents [cu[d], cu[d+1]); tokens past cu[-1] are
+padding. doc_geometry.stream_calls turns the boundaries into kernel calls (a run of short
+documents becomes ONE call with segments=, a document longer than the rest its own call); the
+calls' rows are disjoint, so each call writes its rows of (out, lse) and nothing is merged.
+Padding rows are in no call: out 0, LSE -inf, zero gradients. Backward runs the same calls with
+each row's final (out, lse) and adds each call's dK/dV into its keys.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from .cp.calls import backward_into, write_calls
+from .cp.grad_accum import GradAccumulator
+from .cp.guard import autocast_off
+from .doc_geometry import stream_calls
+from .documents import check_cu_seqlens
+from .spec import grad_dtype
+
+
+def check_packed(q: torch.Tensor, k: torch.Tensor, cu_seqlens) -> Tuple[int, ...]:
+    """The validated boundaries of a packed single-device call (ValueError naming the fix)."""
+    if q.shape[0] != 1:
+        raise ValueError(f"cu_seqlens= (packed documents) takes ONE packed stream, q/k/v of shape "
+                         f"[1, T, H, D]; got batch size {q.shape[0]}. Concatenate the batch's "
+                         "documents into one stream and list every boundary in cu_seqlens")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"cu_seqlens= (packed documents) needs q and k/v over the same stream: "
+                         f"q has {q.shape[1]} tokens, k/v have {k.shape[1]}")
+    return check_cu_seqlens(cu_seqlens, q.shape[1])
+
+
+def packed_attention(q, k, v, plan, cu: Tuple[int, ...]):
+    """(out in q's dtype, lse) of a packed stream under `plan` (its spec has documents=True)."""
+    return PackedAttention.apply(q, k, v, plan, stream_calls(cu, q.shape[1], plan.spec.window))
+
+
+class PackedAttention(torch.autograd.Function):
+    """One device, packed documents: (q, k, v, plan, calls) -> (out in q's dtype, lse)."""
+
+    @staticmethod
+    @autocast_off
+    def forward(ctx, q, k, v, plan, calls):
+        spec, acc = plan.spec, grad_dtype(q.dtype)
+        b, t, hq, _ = q.shape
+        out = torch.zeros(b, t, hq, v.shape[-1], dtype=acc, device=q.device)
+        lse = torch.full((b, hq, t), float("-inf"), dtype=acc, device=q.device)
+        write_calls(plan.kernel, q, k, v, calls, spec.scale, spec.softcap, out, lse)
+        if acc == torch.float32:
+            lse = lse.float()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.calls = plan, calls
+        ctx.set_materialize_grads(False)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    @autocast_off
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        spec, kernel = ctx.plan.spec, ctx.plan.kernel
+        if dout is None:
+            dout = torch.zeros(out.shape, dtype=q.dtype, device=q.device)
+        acc = grad_dtype(q.dtype)
+        dq, dk, dv = (GradAccumulator(x.shape, acc, x.device) for x in (q, k, v))
+        backward_into(kernel, dout.contiguous(), q, k, v, out, lse, dlse, ctx.calls, spec.scale,
+                      spec.softcap, dq, dk, dv)
+        return dq.result().to(q.dtype), dk.result().to(k.dtype), dv.result().to(v.dtype), None, None
