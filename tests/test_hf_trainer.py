@@ -1,0 +1,85 @@
+"""cp_softcap.integrations.hf_trainer in one process: the collator's shards (labels shifted on the
+full sequence, global positions) and each refusal with its message. The multi-rank Trainer runs
+are in tests_dist/test_hf_trainer.py."""
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from cp_softcap.integrations.hf_trainer import CPCollator, check_cp_model, cp_mesh, shard_batch  # noqa: E402
+from cp_softcap.sharding import positions, shard, unshard  # noqa: E402
+
+B, S = 2, 16
+
+
+def batch(**extra):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 50, (B, S), generator=g)
+    labels = ids.clone()
+    labels[1, -5:] = -100
+    return {"input_ids": ids, "labels": labels, **extra}
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_shards_put_back_give_the_full_shifted_batch(cp):
+    full = batch()
+    shards = [shard_batch(full, cp, r) for r in range(cp)]
+    shifted = torch.cat([full["labels"][:, 1:], torch.full((B, 1), -100)], dim=1)
+    assert torch.equal(unshard([s["input_ids"] for s in shards]), full["input_ids"])
+    assert torch.equal(unshard([s["shift_labels"] for s in shards]), shifted)
+    for r, s in enumerate(shards):
+        assert s["labels"] is s["shift_labels"]
+        assert torch.equal(s["position_ids"], positions(S, cp, r).expand(B, -1))
+    if cp > 1:          # negative control: shifting each shard pairs tokens across shard borders
+        per_shard = torch.nn.functional.pad(shard(full["labels"], cp, 0)[:, 1:], (0, 1), value=-100)
+        assert not torch.equal(shards[0]["shift_labels"], per_shard)
+
+
+def test_all_ones_mask_and_plain_positions_are_dropped():
+    out = CPCollator(lambda f: f[0], 2, 1)([batch(attention_mask=torch.ones(B, S, dtype=torch.long),
+                                                  position_ids=torch.arange(S).expand(B, -1))])
+    assert "attention_mask" not in out
+    assert torch.equal(out["position_ids"][0], positions(S, 2, 1))
+
+
+def test_refuses_padding_mask():
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, -5:] = 0
+    with pytest.raises(ValueError, match=r"attention_mask \(2, 16\) with padding.*labels -100 and drop"):
+        shard_batch(batch(attention_mask=mask), 2, 0)
+
+
+def test_refuses_packed_positions():
+    pos = torch.cat([torch.arange(10), torch.arange(6)]).expand(B, -1)
+    with pytest.raises(ValueError, match="packed documents .*not supported"):
+        shard_batch(batch(position_ids=pos), 2, 0)
+
+
+def test_refuses_length_the_layout_cannot_take():
+    full = {k: v[:, :14] for k, v in batch().items()}
+    with pytest.raises(ValueError, match=r"sequence length 14 .* 2 \* cp = 8 \(CP rank 3\).*pad_to_multiple"):
+        shard_batch(full, 4, 3)
+
+
+def test_refuses_unknown_per_token_tensor():
+    with pytest.raises(ValueError, match="'token_type_ids'.*does not know how to shard"):
+        shard_batch(batch(token_type_ids=torch.zeros(B, S, dtype=torch.long)), 2, 0)
+
+
+def test_refuses_cp_not_dividing_world(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match=r"cp=3 does not divide the world of 4 ranks \(rank 1\).*\[1, 2, 4\]"):
+        cp_mesh(3)
+
+
+def test_refuses_model_not_routed_through_cp_softcap():
+    import transformers
+    config = transformers.Gemma2Config(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                                       attn_implementation="eager")
+    model = transformers.Gemma2ForCausalLM(config)
+    with pytest.raises(ValueError, match="attn_implementation='eager', which does not route through cp_softcap"):
+        check_cp_model(model)
+    model.set_attn_implementation("cp_softcap")
+    check_cp_model(model)

@@ -1,0 +1,81 @@
+"""HF Trainer with context parallelism (cp_softcap.integrations.hf_trainer) against the same plain
+Trainer run in one process without CP (eager attention): dp 2 x cp 2 ring and dp 1 x cp 4 a2a end
+with the same logged losses, eval loss and weights in float32; a dp 2 x cp 2 run resumed from a
+step-2 checkpoint ends like the uninterrupted one; a negative control (each rank's loss normalised
+by its own tokens) does not match. One single-process reference and one torchrun of 4 CPU ranks
+(tests_dist/hf_trainer_workers.py), started together."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+sys.path.insert(0, os.path.dirname(__file__))
+import gemma2_launch as L  # noqa: E402
+
+WORKERS = os.path.join(L.ROOT, "tests_dist", "hf_trainer_workers.py")
+TOL = 1e-5           # float32 CP vs float32 eager, relative
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("hf_trainer"))
+    ref = L.start([sys.executable, WORKERS, "ref", out])
+    cp = L.start(L.torchrun_args(4) + [WORKERS, "cp", out])
+    L.finish([ref, cp], timeout=240, what="HF Trainer reference and CP runs")
+
+    def load(name):
+        with open(os.path.join(out, name + ".json")) as f:
+            return json.load(f), torch.load(os.path.join(out, name + ".pt"))
+    return load, out
+
+
+def rel(a, b) -> float:
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def errors(run, ref) -> dict:
+    (log, weights), (ref_log, ref_weights) = run, ref
+    assert len(log["losses"]) == len(ref_log["losses"]) == 3
+    return {"losses": rel(log["losses"], ref_log["losses"]), "eval": rel(log["eval_loss"], ref_log["eval_loss"]),
+            "weights": max(rel(weights[k], ref_weights[k]) for k in ref_weights)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,dp", [("dp2_cp2_ring", 2), ("dp1_cp4_a2a", 1), ("dp2_cp2_ring_resumed", 2)])
+def test_matches_one_process_trainer(runs, name, dp):
+    load, _ = runs
+    err = errors(load(name), load(f"ref_dp{dp}"))
+    assert max(err.values()) <= TOL, err
+    init, trained = _initial_weights(), load(name)[1]
+    assert max(rel(trained[k], init[k]) for k in init) > 1e-3      # the weights were trained
+
+
+@pytest.mark.timeout(300)
+def test_loss_normalised_per_rank_fails(runs):
+    load, _ = runs
+    err = errors(load("dp2_cp2_ring_per_rank"), load("ref_dp2"))
+    assert err["losses"] > 1e-3 and err["weights"] > 1e-3, err
+
+
+@pytest.mark.timeout(300)
+def test_trainer_refusals(runs):
+    _, out = runs
+    with open(os.path.join(out, "refusals.json")) as f:
+        messages = json.load(f)
+    assert "attn_implementation='eager'" in messages["eager_model"]
+    assert "attn_implementation='cp_softcap'" in messages["eager_model"]
+    assert "average_tokens_across_devices=False" in messages["per_rank_tokens"]
+    assert "global rank 0" in messages["per_rank_tokens"]
+
+
+def _initial_weights():
+    sys.path.insert(0, os.path.dirname(WORKERS))
+    import hf_trainer_workers as W
+    return W.model("eager").state_dict()
