@@ -22,8 +22,7 @@ heads use (GQA models with Hkv < cp keep working); gradients of replicas are sum
 """
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import List, Sequence, Tuple
+from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,7 +31,7 @@ from ..doc_geometry import stream_calls
 from ..merge import new_accumulator
 from ..spec import grad_dtype
 from ..transport import all_to_all
-from .calls import backward_into, write_calls
+from .calls import backward_into, stream_order, write_calls
 from .grad_accum import GradAccumulator
 from .guard import guarded
 
@@ -163,16 +162,9 @@ def _attend_backward(dout, q, k, v, out, lse, plan):
 # (layout.stream_index) the stream's documents are stream_calls, usually ONE varlen call for
 # causal attention. Every row lies in at most one call; padding rows in none (out 0, LSE -inf).
 
-@lru_cache(maxsize=64)
-def _stream_order(layout, device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(idx, inv): x[:, inv] puts back-to-back shards in global order, y[:, idx] takes them back."""
-    idx = layout.stream_index()
-    return idx.to(device), torch.argsort(idx).to(device)
-
-
 def _attend_packed(q, k, v, plan):
     spec, layout = plan.spec, plan.layout
-    idx, inv = _stream_order(layout, q.device)
+    idx, inv = stream_order(layout, q.device)
     qg, kg, vg = (t.index_select(1, inv) for t in (q, k, v))
     out, lse = new_accumulator(q.shape, v.shape[-1], q.dtype, q.device)
     calls = stream_calls(layout.cu_seqlens, layout.seq_len, spec.window)
@@ -182,7 +174,7 @@ def _attend_packed(q, k, v, plan):
 
 def _attend_packed_backward(dout, q, k, v, out, lse, plan):
     spec, layout = plan.spec, plan.layout
-    idx, inv = _stream_order(layout, q.device)
+    idx, inv = stream_order(layout, q.device)
     dog, qg, kg, vg, og = (t.index_select(1, inv) for t in (dout, q, k, v, out))
     lg = lse.index_select(2, inv)
     calls = stream_calls(layout.cu_seqlens, layout.seq_len, spec.window)

@@ -24,7 +24,7 @@ from ..layout import plan_pair
 from ..merge import new_accumulator
 from ..spec import grad_dtype
 from ..transport import all_gather, reduce_scatter, wait
-from .calls import backward_into, write_calls
+from .calls import backward_into, stream_order, write_calls
 from .grad_accum import GradAccumulator
 from .guard import guarded
 from .packing import pack, unpack
@@ -152,13 +152,9 @@ def _gather_global(k, v, zz, op):
     """Every rank's whole K/V shard, in global order (packed layout)."""
     buf, _ = all_gather(pack(k, v), zz.group, op)
     parts = [unpack(buf[r], k.shape, v.shape) for r in range(zz.size)]
-    inv = _global_order(zz.documents, k.device)
+    _, inv = stream_order(zz.documents, k.device)
     return (torch.cat([p[0] for p in parts], dim=1).index_select(1, inv),
             torch.cat([p[1] for p in parts], dim=1).index_select(1, inv))
-
-
-def _global_order(layout, device):
-    return torch.argsort(layout.stream_index()).to(device)
 
 
 def _packed_forward(q, k, v, plan):
@@ -179,7 +175,7 @@ def _packed_backward(dout, q, k, v, out, lse, plan):
     dk, dv = (GradAccumulator(t.shape, gdt, q.device) for t in (kg, vg))
     calls = gathered_calls(zz.documents, zz.rank, zz.window)
     backward_into(kernel, dout, q, kg, vg, out, lse, dlse, calls, spec.scale, spec.softcap, dq, dk, dv)
-    idx = zz.documents.stream_index(q.device)          # global order -> shards back to back
+    idx, _ = stream_order(zz.documents, q.device)      # global order -> shards back to back
     dk, dv = (g.result().index_select(1, idx) for g in (dk, dv))
     slots = torch.stack([pack(a, b) for a, b in zip(dk.chunk(zz.size, dim=1), dv.chunk(zz.size, dim=1))])
     dk, dv = unpack(reduce_scatter(slots, zz.group, "all_gather.bwd.dkv"), k.shape, v.shape)

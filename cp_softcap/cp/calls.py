@@ -58,6 +58,14 @@ def call_backward(kernel, dout, q, k, v, out, lse, dlse, c, scale, softcap):
     return kernel.backward(*args, scale=scale, softcap=softcap, window=c.window, dlse=dl, segments=segs)
 
 
+@lru_cache(maxsize=64)
+def stream_order(layout, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(idx, inv) for all ranks' packed shards back to back (what a gather or a sequence
+    all-to-all delivers): x[:, inv] puts them in global order, y[:, idx] takes them back."""
+    idx = layout.stream_index()
+    return idx.to(device), torch.argsort(idx).to(device)
+
+
 def write_calls(kernel, q, k, v, calls, scale, softcap, out, lse) -> None:
     """Run calls whose rows are disjoint, writing each call's rows of (out, lse) (all_gather and
     a2a over packed documents: every row lies in at most one call)."""
