@@ -8,7 +8,8 @@ of benchmarks/packing_balance.py. Host arithmetic only (no kernels, no GPU).
 Per (mix, cp, window): MiB sent by the busiest rank, forward + backward, on the default
 (causal-balanced) packed layout, for the ring (only same-document visible keys travel),
 all_gather, a2a, a2a+p2p with a2a groups of 2, and what comm="auto" picks; for comparison, the
-ring of an UNPACKED call on a stream of the same length (zigzag, one document). Partials: float32 dK/dV (the torch
+ring of an UNPACKED call on a stream of the same length (zigzag, one document), and the ring on
+the layout balanced for both Gemma2 layer kinds (layer_windows=[None, (4095, 0)]). Partials: float32 dK/dV (the torch
 kernel) and bf16 (the flash-attn family: caps.grads_in_input_dtype).
 """
 from __future__ import annotations
@@ -41,10 +42,13 @@ def measure(kind: str, total: int, cp: int, window_name: str, partial_bytes):
     kw = dict(partial_bytes=partial_bytes, block_keys=ring_block_keys())
     packed = bytes_per_rank(spec, layout.seq_len, a2a_size=2, documents=layout, **kw)
     unaware = bytes_per_rank(spec, layout.seq_len, a2a_size=2, **kw)["ring"]
+    joint = packed_layout(cu, total, cp, layer_windows=[None, (4095, 0)])
+    ring_joint = bytes_per_rank(spec, joint.seq_len, documents=joint, **kw)["ring"]
     pick = choose_comm(spec, layout.seq_len, documents=layout, **kw)
     return {"mix": kind, "cp": cp, "window": window_name, "docs": len(cu) - 1, "tokens": total,
             "partials": "float32" if partial_bytes is None else "bf16",
             **{f"{k}_mib": v / MIB for k, v in packed.items()}, "ring_zigzag_mib": unaware / MIB,
+            "ring_joint_mib": ring_joint / MIB,
             "auto": pick}
 
 
@@ -57,10 +61,10 @@ def main(argv=None):
     records = [measure(kind, total, cp, w, pb)
                for pb in (None, 2) for kind in ("long-tail", "long-tail+pad", "short", "single")
                for cp in cps for w in WINDOWS]
-    head = ["partials", "mix", "cp", "window", "ring packed", "ring unpacked (zigzag)",
+    head = ["partials", "mix", "cp", "window", "ring packed", "ring, joint layout", "ring unpacked (zigzag)",
             "all_gather", "a2a", "a2a+p2p (2)", "auto picks"]
     rows = [head] + [[r["partials"], r["mix"], r["cp"], r["window"], f"{r['ring_mib']:.1f}",
-                      f"{r['ring_zigzag_mib']:.1f}", f"{r['all_gather_mib']:.1f}", f"{r['a2a_mib']:.1f}",
+                      f"{r['ring_joint_mib']:.1f}", f"{r['ring_zigzag_mib']:.1f}", f"{r['all_gather_mib']:.1f}", f"{r['a2a_mib']:.1f}",
                       f"{r['a2a+p2p_mib']:.1f}", r["auto"]] for r in records]
     print(table(rows))
     out = out_dir_for(args.out_dir, args.dry_run)
