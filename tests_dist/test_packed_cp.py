@@ -153,6 +153,8 @@ def test_packed_matches_float64_reference(world):
             print(f"  {comm}: one document vs unpacked: bitwise {all(b for b, _ in ones)}, "
                   f"max diff {max(d for _, d in ones):.3g}")
             assert max(d for _, d in ones) <= 1e-12
+            if comm in ("ring", "a2a", "auto"):     # the same kernel calls as the unpacked path
+                assert all(b for b, _ in ones), f"{comm}: one document is not bitwise the unpacked call"
 
 
 BAD = [
