@@ -4,7 +4,7 @@ are in tests_dist/test_hf_trainer.py."""
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", minversion="5")
 pytest.importorskip("accelerate")
 from cp_softcap.integrations.hf_trainer import CPCollator, check_cp_model, cp_mesh, shard_batch  # noqa: E402
 from cp_softcap.sharding import positions, shard, unshard  # noqa: E402

@@ -6,7 +6,7 @@ gradient accumulation 2, gradient clipping, evaluation, checkpoint save and resu
     python -m torch.distributed.run --nproc-per-node 4 tests_dist/hf_trainer_workers.py cp OUT_DIR
 
 Each run writes OUT_DIR/<name>.json (logged train losses, eval loss) and OUT_DIR/<name>.pt (final
-weights). The data order is sequential, so a global batch of dp x per-device rows is the same
+weights); the cp mode ends with the example's own main(). The data order is sequential, so a global batch of dp x per-device rows is the same
 rows as the one-process run's batch of dp x per-device rows.
 """
 from __future__ import annotations
@@ -100,6 +100,7 @@ def cp_runs(out_dir: str) -> None:
             record(trainer, out_dir, name)
         resumed(out_dir, meshes[2])
         refusals(out_dir, targs, meshes[2])
+    example.main(["--steps", "2"])           # the example as README runs it (dp 2 x cp 2, ring)
 
 
 def resumed(out_dir: str, mesh) -> None:

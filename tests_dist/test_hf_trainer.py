@@ -2,8 +2,8 @@
 Trainer run in one process without CP (eager attention): dp 2 x cp 2 ring and dp 1 x cp 4 a2a end
 with the same logged losses, eval loss and weights in float32; a dp 2 x cp 2 run resumed from a
 step-2 checkpoint ends like the uninterrupted one; a negative control (each rank's loss normalised
-by its own tokens) does not match. One single-process reference and one torchrun of 4 CPU ranks
-(tests_dist/hf_trainer_workers.py), started together."""
+by its own tokens) does not match; the example runs. One single-process reference and one
+torchrun of 4 CPU ranks (tests_dist/hf_trainer_workers.py), started together."""
 import json
 import os
 import sys
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", minversion="5")
 pytest.importorskip("accelerate")
 sys.path.insert(0, os.path.dirname(__file__))
 import gemma2_launch as L  # noqa: E402
@@ -25,7 +25,8 @@ def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("hf_trainer"))
     ref = L.start([sys.executable, WORKERS, "ref", out])
     cp = L.start(L.torchrun_args(4) + [WORKERS, "cp", out])
-    L.finish([ref, cp], timeout=240, what="HF Trainer reference and CP runs")
+    _, cp_out = L.finish([ref, cp], timeout=240, what="HF Trainer reference and CP runs")
+    assert "dp 2 x cp 2 (ring): train losses [" in cp_out      # examples/gemma2/hf_trainer.py ran
 
     def load(name):
         with open(os.path.join(out, name + ".json")) as f:

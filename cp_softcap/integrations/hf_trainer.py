@@ -34,7 +34,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import transformers
 from transformers import Trainer
+
+if int(transformers.__version__.split(".")[0]) < 5:
+    raise ImportError(f"cp_softcap.integrations.hf_trainer needs transformers >= 5 (Trainer's "
+                      f"num_items_in_batch and parallelism hooks); found {transformers.__version__}. "
+                      "pip install -U 'transformers>=5' accelerate")
 
 from ..sharding import positions, shard
 from .hf import cp_softcap_attention, use_cp_group
