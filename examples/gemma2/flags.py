@@ -1,7 +1,9 @@
 """Command-line flags of train.py, checked in full before any process group or model exists.
 
-Every rank parses the same argv, so every rank reaches the same verdict; only rank 0 (or the
-process before torchrun spawns, or a plain run) prints it, then all exit with status 2.
+Every rank parses the same argv, so every rank reaches the same verdict. Rank 0 (or a plain
+run) prints it and exits with status 2; the other ranks exit quietly with status 0, because
+torchrun stops the remaining workers as soon as one fails, which could kill rank 0 before it
+has printed.
 """
 from __future__ import annotations
 
@@ -22,12 +24,17 @@ def is_lead() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def fail(message: str, usage: str = "") -> None:
+    """Rank 0 prints `message` and exits 2; the other ranks exit 0 without a word."""
+    if not is_lead():
+        sys.exit(0)
+    print(f"{usage}train.py: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):
-        if is_lead():
-            self.print_usage(sys.stderr)
-            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        fail(message, self.format_usage())
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

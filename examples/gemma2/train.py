@@ -43,8 +43,8 @@ def plan_job(args, cfg, world: int) -> memory.Job:
 
 
 def check_memory(args, job: memory.Job) -> None:
-    """--plan: print the plan and exit. Otherwise refuse (exit 2, printed by rank 0) when the
-    estimate does not fit the device."""
+    """--plan: print the plan and exit. Otherwise refuse (flags.fail) when the estimate does not
+    fit the device."""
     limit = memory.device_memory(job.device_type, flags.local_world(), args.device_mem_gib)
     if args.plan:
         verdict = memory.check(job, limit)
@@ -52,9 +52,7 @@ def check_memory(args, job: memory.Job) -> None:
         sys.exit(0)
     refusal = None if args.skip_memory_check else memory.check(job, limit)
     if refusal:
-        if flags.is_lead():
-            print(f"train.py: error: {refusal}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        flags.fail(refusal)
 
 
 def build(args, cfg, d: parallel.Dist):
