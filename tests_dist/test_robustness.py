@@ -1,0 +1,216 @@
+"""Robustness under CP (gloo, CPU, world 2): autocast, double backward, a stalled peer at every
+op of every comm type, a rank that skips a backward, divergent calls, a bad input only one rank
+has. Every multi-process case runs under a hard deadline and ends in seconds: the waits are
+bounded by a small CP_SOFTCAP_TIMEOUT."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from harness import _CTX
+from ranks import spawn_ranks
+
+TIMEOUT_S = 1.0
+STALL_TIMEOUT_S = 2.0       # the stall cases run warm-up calls too: room for a loaded CI machine
+
+
+def spawn(fn, world, *args, deadline_s=90.0, timeout_s=TIMEOUT_S):
+    """{rank: ("ok", value) | ("error", traceback) | ("exit", code)}; a rank that raises or dies
+    is an outcome to check, not a test failure. Every process is gone on return."""
+    out, running = spawn_ranks(fn, world, args, ctx=_CTX, deadline_s=deadline_s, pg_timeout=60.0,
+                               env={"CP_SOFTCAP_TIMEOUT": str(timeout_s)}, poll_s=0.2,
+                               stop_on_failure=False, grace_s=0.0)
+    if running:
+        pytest.fail(f"ranks {running} neither finished nor failed within {deadline_s}s: {out}")
+    return out
+
+
+def _timed(call):
+    """(elapsed s, 'Type: message' or None)."""
+    t0 = time.monotonic()
+    try:
+        call()
+    except Exception as e:   # noqa: BLE001  (what the user would see)
+        return time.monotonic() - t0, f"{type(e).__name__}: {e}"
+    return time.monotonic() - t0, None
+
+
+def _inputs(rank, cp, dtype, softcap, seed, s=32):
+    """(global q, k, v, dout) identical on every rank, and this rank's shards."""
+    from cp_softcap.sharding import shard
+    from cp_softcap.testing import saturating_qkv
+    torch.manual_seed(seed)
+    q, k, v, _ = saturating_qkv(1, s, s, 4, 2, 16, dtype, softcap, requires_grad=False)
+    dout = torch.randn(q.shape, dtype=torch.float64).to(dtype)
+    return (q, k, v, dout), tuple(shard(t, cp, rank) for t in (q, k, v, dout))
+
+
+def _groups(comm):
+    import torch.distributed as dist
+    import cp_softcap as cps
+    return cps.make_hybrid_groups(None, 1) if comm == "a2a+p2p" else dist.group.WORLD
+
+
+COMMS = ("ring", "all_gather", "a2a", "a2a+p2p")
+
+
+# ------------------------------------------------------------------ autocast
+
+def _autocast_worker(rank, world):
+    """Every comm type, bf16 and float32 inputs, saturating caps: out and grads inside CPU bf16
+    autocast are bitwise those outside, and within tolerance of the float64 reference."""
+    import cp_softcap as cps
+    from cp_softcap.sharding import shard
+    from cp_softcap.testing import TOLERANCES, check_against_reference, reference_with_grads, rel_err
+    report = []
+    for comm in COMMS:
+        group = _groups(comm)
+        for dtype, cap in ((torch.bfloat16, 50.0), (torch.float32, 2.0)):
+            (q, k, v, dout), (ql, kl, vl, dl) = _inputs(rank, world, dtype, cap, seed=len(report))
+
+            def run():
+                a, b, c = (t.clone().requires_grad_(True) for t in (ql, kl, vl))
+                out = cps.cp_attention(a, b, c, group, softcap=cap, comm=comm)
+                out.backward(dl)
+                return out, a.grad, b.grad, c.grad
+
+            plain = run()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                inside = run()
+            same = all(torch.equal(x, y) and x.dtype == dtype for x, y in zip(inside, plain))
+            ref_out, _, ref_grads = reference_with_grads(q, k, v, dout, softcap=cap, causal=True,
+                                                         bottom_right=False)
+            check_against_reference(inside[0], inside[1:], shard(ref_out, world, rank),
+                                    [shard(g, world, rank) for g in ref_grads], dtype,
+                                    label=f"{comm} {dtype} rank {rank}")
+            nocap, _, _ = reference_with_grads(q, k, v, dout, softcap=None, causal=True,
+                                               bottom_right=False)
+            dropped = rel_err(inside[0], shard(nocap, world, rank))
+            assert dropped > 10 * TOLERANCES[dtype]["out"], f"cap-dropped control too weak: {dropped}"
+            report.append((comm, str(dtype), same))
+    return report
+
+
+@pytest.mark.timeout(120)
+def test_every_comm_type_same_inside_and_outside_autocast():
+    out = spawn(_autocast_worker, 2)
+    for rank in (0, 1):
+        status, report = out[rank]
+        assert status == "ok", report
+        assert len(report) == 2 * len(COMMS) and all(same for *_, same in report), report
+
+
+# ------------------------------------------------------------------ double backward
+
+def _double_backward_worker(rank, world, comm):
+    """loss + a gradient penalty on q: the first-order gradients under create_graph=True equal
+    the plain ones; the penalty's backward raises the double-backward error on every rank."""
+    import cp_softcap as cps
+    group = _groups(comm)
+    _, (ql, kl, vl, dl) = _inputs(rank, world, torch.float32, 5.0, seed=3)
+    q, k, v = (t.clone().requires_grad_(True) for t in (ql, kl, vl))
+    plain = torch.autograd.grad((cps.cp_attention(q, k, v, group, softcap=5.0, comm=comm) * dl).sum(), q)[0]
+    loss = (cps.cp_attention(q, k, v, group, softcap=5.0, comm=comm) * dl).sum()
+    (gq,) = torch.autograd.grad(loss, q, create_graph=True)
+    first_order_exact = torch.equal(gq.detach(), plain)
+    elapsed, msg = _timed(lambda: (loss + gq.pow(2).sum()).backward())
+    after = cps.cp_attention(q, k, v, group, softcap=5.0, comm=comm)    # the group still works
+    return first_order_exact, elapsed, msg, bool(torch.isfinite(after).all())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("comm", COMMS)
+def test_double_backward_raises_on_every_rank(comm):
+    out = spawn(_double_backward_worker, 2, comm)
+    for rank in (0, 1):
+        status, value = out[rank]
+        assert status == "ok", value
+        exact, elapsed, msg, still_works = value
+        assert exact, f"rank {rank}: first-order gradient under create_graph=True differs"
+        assert msg and msg.startswith("RuntimeError") and "double backward through context-parallel" in msg, msg
+        assert elapsed < TIMEOUT_S and still_works, (elapsed, msg)
+
+
+# ------------------------------------------------------------------ a stalled peer at every op
+
+OPS = {
+    "ring": ["ring.fwd.kv", "ring.bwd.kv", "ring.bwd.dkv"],
+    "all_gather": ["the CP per-call check (forward)", "all_gather.fwd.kv",
+                   "the CP per-call check (backward)", "all_gather.bwd.kv", "all_gather.bwd.dkv"],
+    "a2a": ["the CP per-call check (forward)", "a2a.fwd.q", "a2a.fwd.k", "a2a.fwd.v", "a2a.fwd.out",
+            "the CP per-call check (backward)", "a2a.bwd.dout", "a2a.bwd.dq", "a2a.bwd.dk", "a2a.bwd.dv"],
+}
+
+
+class _Stall(Exception):
+    pass
+
+
+def _stall_at(op):
+    """Make this process stop (raise _Stall) where it would enter `op`: its peer never sees it."""
+    from cp_softcap import transport
+    from cp_softcap.cp import guard
+    real_count, real_bytes, real_check = transport.count, transport.count_bytes, guard.check_agreement
+
+    def count(name, *a):
+        if name == op:
+            raise _Stall(op)
+        return real_count(name, *a)
+
+    def count_bytes(name, *a):
+        if name == op:
+            raise _Stall(op)
+        return real_bytes(name, *a)
+
+    def check(group, fields, device, what, **kw):
+        if what == op:
+            raise _Stall(op)
+        return real_check(group, fields, device, what, **kw)
+
+    transport.count, transport.count_bytes, guard.check_agreement = count, count_bytes, check
+    return lambda: setattr(transport, "count", real_count) or setattr(transport, "count_bytes", real_bytes) \
+        or setattr(guard, "check_agreement", real_check)
+
+
+def _stall_worker(rank, world, comm, ops):
+    """For each op: a fresh group, a warm-up call, then rank 1 stalls at `op` for longer than
+    the timeout while rank 0 runs forward and backward. Rank 0's outcome per op."""
+    import torch.distributed as dist
+    import cp_softcap as cps
+    report = []
+    for op in ops:
+        group = dist.new_group([0, 1])
+        _, (ql, kl, vl, dl) = _inputs(rank, world, torch.float32, 5.0, seed=1, s=16)
+        q, k, v = (t.clone().requires_grad_(True) for t in (ql, kl, vl))
+        cps.cp_attention(q, k, v, group, softcap=5.0, comm=comm).backward(dl)    # warm-up
+        if rank == 1:
+            restore = _stall_at(op)
+            try:
+                cps.cp_attention(q, k, v, group, softcap=5.0, comm=comm).backward(dl)
+                report.append((op, "no stall"))
+            except _Stall:
+                time.sleep(STALL_TIMEOUT_S + 0.5)
+                report.append((op, "stalled"))
+            finally:
+                restore()
+        else:
+            report.append((op, _timed(lambda: cps.cp_attention(q, k, v, group, softcap=5.0,
+                                                                comm=comm).backward(dl))))
+            time.sleep(0.6)    # the peer's stall has ended: both start the next op together
+    return report
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("comm", sorted(OPS))
+def test_stalled_peer_at_every_op_is_detected_within_timeout(comm):
+    out = spawn(_stall_worker, 2, comm, OPS[comm], timeout_s=STALL_TIMEOUT_S)
+    status, stalled = out[1]
+    assert status == "ok" and all(s == "stalled" for _, s in stalled), stalled
+    status, report = out[0]
+    assert status == "ok", report
+    for op, (elapsed, msg) in report:
+        assert msg is not None, f"{op}: rank 0 finished although its peer stalled"
+        assert op in msg and "CP rank 0" in msg and "CP_SOFTCAP_TIMEOUT" in msg, (op, msg)
+        assert STALL_TIMEOUT_S - 0.2 < elapsed < STALL_TIMEOUT_S + 2.0, f"{op}: {elapsed:.1f}s: {msg}"
