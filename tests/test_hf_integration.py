@@ -106,11 +106,15 @@ def test_refuses_dropout():
         ours(input_ids=torch.randint(0, 97, (1, 20)))
 
 
-def test_refuses_packed_positions():
+def test_packed_positions_are_documents():
+    """Position resets are document boundaries on one device (tests/test_hf_packed.py checks the
+    packed results): the same tokens with and without a reset differ."""
     _, ours = pair()
-    pos = torch.cat([torch.arange(10), torch.arange(10)])[None]
-    with pytest.raises(ValueError, match="position_ids"):
-        ours(input_ids=torch.randint(0, 97, (1, 20)), position_ids=pos)
+    ids = torch.randint(0, 97, (1, 20))
+    with torch.no_grad():
+        packed = ours(input_ids=ids, position_ids=torch.cat([torch.arange(10), torch.arange(10)])[None]).logits
+        second = ours(input_ids=ids[:, 10:]).logits
+    torch.testing.assert_close(packed[:, 10:], second, rtol=1e-5, atol=1e-5)
 
 
 def test_generate_with_cache_matches_eager():

@@ -21,6 +21,19 @@ gradients over the CP group gives the full-sequence result. Pass `shift_labels` 
 shifted on the full sequence, then sharded; `labels` must be non-None for HF to compute a loss):
 HF's own shift of `labels` alone would cross shard borders.
 
+Packed batches (padding-free training: transformers' DataCollatorWithFlattening, TRL's
+padding_free): on one device the document boundaries come from, in this order, a `cu_seqlens=`
+model kwarg, the `cu_seq_lens_q`/`cu_seq_lens_k` kwargs HF forwards from such collators, or the
+resets of `position_ids` (a new document wherever the position does not grow by 1, and at each
+batch row). The batch rows are joined into one stream and each document attends only to itself
+(Gemma2's sliding window stays inside its document); nothing is padded per document.
+Under CP every rank holds only its shard, whose position resets cannot give the GLOBAL
+boundaries: pass them yourself, `model(..., cu_seqlens=cu_global)` (identical on every rank; the
+shards and positions from cps.sharding.shard / positions(..., cu_seqlens=cu_global)); they go to
+cps.cp_attention(..., cu_seqlens=cu_global) exactly as CPAttention.forward(q, k, v,
+cu_seqlens=cu) takes them. Without them a packed shard is refused (its positions are not the
+zigzag positions).
+
 Masks: causal and sliding-window masking happen inside cp_softcap from global positions; no
 [S, S] mask is ever materialised. HF would silently DROP a user's 2-D padding mask for an
 attention implementation it has no mask function for, so a mask function is registered too
@@ -35,7 +48,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..api import cp_attention
+from ..api import attention, cp_attention
 from ..plan import resolve_groups
 from ..sharding import positions as zigzag_positions
 from ..spec import check_comm
@@ -86,9 +99,9 @@ def _check_mask(mask) -> None:
 
 
 def _check_positions(position_ids: Optional[torch.Tensor], sq: int, cp: int, rank: int) -> None:
-    """cp == 1: each row's positions are consecutive (no packed sequences). cp > 1: they are the
-    global zigzag positions of this rank's tokens (cp_softcap.sharding.positions)."""
-    if position_ids is None:
+    """Under CP without global document boundaries: the global zigzag positions of this rank's
+    tokens (cp_softcap.sharding.positions)."""
+    if position_ids is None or cp == 1:
         return
     # every layer of one forward gets the same tensor: check it once (a weakref, so a new tensor
     # reusing a freed one's memory is checked again)
@@ -97,20 +110,43 @@ def _check_positions(position_ids: Optional[torch.Tensor], sq: int, cp: int, ran
     if last is not None and last[0]() is position_ids and last[1] == key:
         return
     pos = position_ids.reshape(-1, position_ids.shape[-1])
-    if cp == 1:
-        ok = pos.shape[-1] == sq and bool((pos[:, 1:] - pos[:, :-1] == 1).all())
-        want = "consecutive in each row"
-    else:
-        expected = zigzag_positions(sq * cp, cp, rank, device=position_ids.device)
-        ok = pos.shape[-1] == sq and bool((pos == expected).all())
-        want = f"cp_softcap.sharding.positions({sq * cp}, cp={cp}, rank={rank})"
-    if not ok:
+    expected = zigzag_positions(sq * cp, cp, rank, device=position_ids.device)
+    if not (pos.shape[-1] == sq and bool((pos == expected).all())):
         raise ValueError(
             f"position_ids {tuple(position_ids.shape)} (first row starts {pos[0, :4].tolist()}) are not "
-            f"{want}; cp_softcap masks by position. Under CP pass "
-            "position_ids=cp_softcap.sharding.positions(S, cp, rank)[None] with the zigzag-sharded "
-            "input_ids; packed sequences (position resets) are not supported.")
+            f"cp_softcap.sharding.positions({sq * cp}, cp={cp}, rank={rank}); cp_softcap masks by "
+            "position. Under CP pass position_ids=cp_softcap.sharding.positions(S, cp, rank)[None] "
+            "with the zigzag-sharded input_ids; for packed documents pass the GLOBAL boundaries "
+            "too: model(..., cu_seqlens=cu_global), with shards and positions from "
+            "cp_softcap.sharding.shard / positions(..., cu_seqlens=cu_global).")
     _CHECKED_POSITIONS["last"] = (weakref.ref(position_ids), key)
+
+
+def _boundaries(b: int, sq: int, sk: int, position_ids, kwargs) -> Optional[torch.Tensor]:
+    """One device: document boundaries of the b rows joined into one stream of b * sq tokens,
+    or None for an unpacked batch. See the module docstring for where they come from."""
+    cu = kwargs.get("cu_seqlens")
+    if cu is None and kwargs.get("cu_seq_lens_q") is not None:
+        cu, cu_k = kwargs["cu_seq_lens_q"], kwargs.get("cu_seq_lens_k")
+        if cu_k is not None and not torch.equal(torch.as_tensor(cu).cpu(), torch.as_tensor(cu_k).cpu()):
+            raise ValueError("attn_implementation='cp_softcap' got cu_seq_lens_q != cu_seq_lens_k: "
+                             "packed documents need queries and keys over the same stream")
+    if cu is not None:
+        if sq != sk:
+            raise ValueError(f"packed documents (cu_seqlens) with query length {sq} != key length "
+                             f"{sk}: generation with a KV cache takes unpacked sequences")
+        return cu
+    if position_ids is None or sq != sk or sq < 2:
+        return None
+    pos = position_ids.reshape(-1, position_ids.shape[-1])
+    if pos.shape[-1] != sq:
+        raise ValueError(f"position_ids {tuple(position_ids.shape)} do not match the query length {sq}")
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] - pos[:, :-1] != 1
+    if not bool(starts[:, 1:].any()):
+        return None                    # no reset in any row: an ordinary batch
+    starts = starts.expand(b, sq).reshape(-1)
+    return torch.cat([starts.nonzero().flatten(), torch.tensor([b * sq], device=starts.device)])
 
 
 def _mask_function(*args, attention_mask=None, use_vmap: bool = False, **kwargs):
@@ -130,7 +166,12 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                          **kwargs) -> Tuple[torch.Tensor, None]:
     """HF attention function. query [B, Hq, S, D], key/value [B, Hkv, Sk, D] (local shards under
     CP) -> (out [B, S, Hq, D], None). sliding_window w: key j visible from query i iff
-    i - w < j <= i, i.e. window (w - 1, 0)."""
+    i - w < j <= i, i.e. window (w - 1, 0).
+
+    Packed documents: on one device from kwargs cu_seqlens / cu_seq_lens_q,k or position_ids
+    resets (the rows joined into one stream); under CP only from the GLOBAL `cu_seqlens` kwarg
+    (model(..., cu_seqlens=cu_global)), passed on to cp_attention(..., cu_seqlens=cu_global):
+    a rank's position_ids show only its shard's resets, never the global boundaries."""
     if dropout:
         raise ValueError(f"attn_implementation='cp_softcap' got attention dropout={dropout}; it is "
                          "exact and has no dropout. Set config.attention_dropout = 0.0.")
@@ -143,7 +184,13 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     if cp > 1 and sq != sk:
         raise ValueError(f"query length {sq} != key length {sk} under cp={cp}: generation with a KV "
                          "cache is not context parallel; call use_cp_group(None) for generation.")
-    _check_positions(position_ids, sq, cp, rank)
+    cu = _boundaries(q.shape[0], sq, sk, position_ids, kwargs) if cp == 1 else kwargs.get("cu_seqlens")
+    if cp > 1 and cu is None and kwargs.get("cu_seq_lens_q") is not None:
+        raise ValueError("attn_implementation='cp_softcap' under CP got cu_seq_lens_q (boundaries "
+                         "of this rank's tokens); packed documents under CP need the GLOBAL "
+                         "boundaries: model(..., cu_seqlens=cu_global), identical on every rank")
+    if cu is None:
+        _check_positions(position_ids, sq, cp, rank)
     if not (q.dtype == k.dtype == v.dtype):    # e.g. fp32 RoPE output with bf16 v under autocast
         dt = (torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type)
               else v.dtype)
@@ -154,8 +201,15 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         window = (sliding_window - 1, 0 if causal else sliding_window - 1)
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
+    if cu is not None and cp == 1:     # the rows joined into one packed stream
+        b = q.shape[0]
+        q, k, v = (t.reshape(1, b * t.shape[1], *t.shape[2:]) for t in (q, k, v))
+        out = attention(q, k, v, softcap=softcap, causal=causal, window=window, scale=scaling,
+                        backend=_CONFIG["backend"], cu_seqlens=cu)
+        return out.reshape(b, sq, *out.shape[2:]), None
+    docs = {} if cu is None else {"cu_seqlens": cu}
     out = cp_attention(q, k, v, group, softcap=softcap, causal=causal, window=window, scale=scaling,
-                       comm=comm, backend=_CONFIG["backend"])
+                       comm=comm, backend=_CONFIG["backend"], **docs)
     return out, None
 
 
