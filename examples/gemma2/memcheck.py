@@ -87,11 +87,14 @@ def ac_timing(argv, rounds: int = 7) -> dict:
         for i, layer in enumerate(model.model.layers):
             layer.ac = pattern[i % len(pattern)]
         runs[name] = (model, opt, tokens, [])
-    off = torch.autocast(d.device.type, enabled=False)
+    dtype = getattr(torch, flags.compute_dtype(args))
+    autocast = torch.autocast(d.device.type, dtype=dtype, enabled=dtype != torch.float32)
     for step in range(rounds + 1):
         for model, opt, tokens, times in runs.values():
             t0 = time.perf_counter()
-            train.train_step(model, opt, tokens, step, args, cfg, d, off)
+            train.train_step(model, opt, tokens, step, args, cfg, d, autocast)
+            if d.device.type == "cuda":
+                torch.cuda.synchronize()
             if step:                                   # step 0 warms up
                 times.append(time.perf_counter() - t0)
     dist.destroy_process_group()
