@@ -214,3 +214,99 @@ def test_stalled_peer_at_every_op_is_detected_within_timeout(comm):
         assert msg is not None, f"{op}: rank 0 finished although its peer stalled"
         assert op in msg and "CP rank 0" in msg and "CP_SOFTCAP_TIMEOUT" in msg, (op, msg)
         assert STALL_TIMEOUT_S - 0.2 < elapsed < STALL_TIMEOUT_S + 2.0, f"{op}: {elapsed:.1f}s: {msg}"
+
+
+# ------------------------------------------------------------------ a rank skips a backward
+
+def _skip_batch_worker(rank, world, comm):
+    """Rank 1 raises after the forward (a "skip this batch" handler catches it) and goes on to
+    the next forward while rank 0 runs the backward. Both must fail with a clear error, in
+    bounded time, and a fresh group must then work (the README's recovery)."""
+    import torch.distributed as dist
+    import cp_softcap as cps
+    group = _groups(comm)
+    _, (ql, kl, vl, dl) = _inputs(rank, world, torch.float32, 5.0, seed=5, s=16)
+    q, k, v = (t.clone().requires_grad_(True) for t in (ql, kl, vl))
+    cps.cp_attention(q, k, v, group, softcap=5.0, comm=comm).backward(dl)     # warm-up
+    out = cps.cp_attention(q, k, v, group, softcap=5.0, comm=comm)
+    if rank == 1:
+        result = _timed(lambda: cps.cp_attention(q, k, v, group, softcap=5.0, comm=comm))
+    else:
+        result = _timed(lambda: out.backward(dl))
+    time.sleep(TIMEOUT_S + 0.5)        # both have failed: start the recovery together
+    fresh = dist.new_group([0, 1]) if comm != "a2a+p2p" else cps.make_hybrid_groups(None, 1)
+    q.grad = None
+    cps.cp_attention(q, k, v, fresh, softcap=5.0, comm=comm).backward(dl)
+    return result, bool(torch.isfinite(q.grad).all())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("comm", COMMS)
+def test_rank_skipping_a_backward_fails_both_ranks_clearly(comm):
+    out = spawn(_skip_batch_worker, 2, comm)
+    for rank in (0, 1):
+        status, value = out[rank]
+        assert status == "ok", f"rank {rank}: {value}"     # no abort: both report
+        (elapsed, msg), recovered = value
+        assert msg is not None, f"rank {rank} did not fail"
+        if comm in ("ring", "a2a+p2p"):    # tagged messages never match: the timeout names the call
+            want = "backward of call 2" if rank == 0 else "forward of call 3"
+            assert msg.startswith("RuntimeError") and want in msg and "skipped" in msg, msg
+            assert elapsed < TIMEOUT_S + 2.0, (elapsed, msg)
+        else:                              # the per-call check: at once, every rank's value
+            assert msg.startswith("ValueError") and \
+                "call differs (rank 0: backward of call 2, rank 1: forward of call 3)" in msg, msg
+            assert elapsed < TIMEOUT_S, (elapsed, msg)
+        assert recovered
+
+
+# ------------------------------------------------------------------ divergent calls, by default
+
+def _diverge_worker(rank, world, comm):
+    """Both ranks have used softcap 5 and 50 before; then rank 0 calls with 5, rank 1 with 50."""
+    import cp_softcap as cps
+    group = _groups(comm)
+    _, (ql, kl, vl, _) = _inputs(rank, world, torch.float32, 5.0, seed=6, s=16)
+    for cap in (5.0, 50.0):
+        cps.cp_attention(ql, kl, vl, group, softcap=cap, comm=comm)
+    return _timed(lambda: cps.cp_attention(ql, kl, vl, group, softcap=5.0 if rank == 0 else 50.0,
+                                           comm=comm))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("comm", ["ring", "all_gather"])
+def test_divergence_into_seen_signatures_is_caught_by_default(comm):
+    out = spawn(_diverge_worker, 2, comm)
+    for rank in (0, 1):
+        status, value = out[rank]
+        assert status == "ok", value
+        elapsed, msg = value
+        assert msg is not None, f"rank {rank} ran a divergent call silently"
+        if comm == "ring":
+            assert msg.startswith("RuntimeError") and "forward of call 3" in msg and "different call" in msg, msg
+            assert elapsed < TIMEOUT_S + 2.0
+        else:
+            assert msg.startswith("ValueError") and "softcap differs (rank 0: 5.0, rank 1: 50.0)" in msg, msg
+            assert elapsed < TIMEOUT_S
+
+
+# ------------------------------------------------------------------ a bad input on one rank
+
+def _one_rank_bad_worker(rank, world):
+    import torch.distributed as dist
+    import cp_softcap as cps
+    _, (ql, kl, vl, _) = _inputs(rank, world, torch.float32, 5.0, seed=7, s=16)
+    if rank == 1:
+        kl = kl.double()
+    return _timed(lambda: cps.cp_attention(ql, kl, vl, dist.group.WORLD, softcap=5.0))
+
+
+@pytest.mark.timeout(60)
+def test_bad_input_on_one_rank_fails_every_rank_at_once():
+    out = spawn(_one_rank_bad_worker, 2, timeout_s=30.0)
+    (s0, (t0, m0)), (s1, (t1, m1)) = out[0], out[1]
+    assert s0 == s1 == "ok"
+    assert m0 and m0.startswith("ValueError") and "inputs differs (rank 0: valid, rank 1: invalid on CP rank 1" in m0, m0
+    assert "must share one dtype" in m0, m0
+    assert m1 and m1.startswith("TypeError") and "CP rank 1" in m1, m1
+    assert max(t0, t1) < 5.0, (t0, t1)
