@@ -287,11 +287,11 @@ def _seen_both_worker(rank, world):
 
 
 @pytest.mark.timeout(60)
-def test_divergence_into_seen_signatures_needs_check_every_call():
+def test_divergence_into_seen_signatures_with_check_every_call():
     """With CP_SOFTCAP_CHECK_EVERY_CALL=1 ranks that diverge into signatures they have each used
-    before fail on every rank with the values. (Without it the first-call check cannot see this:
-    measured, a softcap divergence runs silently and a seq-len one aborts the receiving process
-    inside gloo; see cp_softcap/plan.py.)"""
+    before fail on every rank at once with the values. (Without it the ring's tagged messages
+    never match and both ranks fail after the timeout, naming the call; the collective
+    algorithms on gloo check every call anyway: tests_dist/test_robustness.py.)"""
     out = spawn(_seen_both_worker, 2, env={**ENV, "CP_SOFTCAP_CHECK_EVERY_CALL": "1"})
     for rank in (0, 1):
         status, value = out[rank]
