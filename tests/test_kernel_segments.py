@@ -91,3 +91,18 @@ def test_selector_routes_packed_calls_to_segment_kernels():
     # without documents, sdpa (no softcap) stays first on CPU
     assert select(make_spec(head_dim=16, num_heads=4, num_kv_heads=2, dtype=torch.float32,
                             device_type="cpu", causal=True)).name == "sdpa"
+
+
+def test_which_kernels_serve_segments():
+    from cp_softcap.kernels import KERNEL_NAMES, get_kernel
+    serving = {n for n in KERNEL_NAMES if get_kernel(n).caps.segments}
+    assert serving == {"torch", "flex", "fa2"}
+    q = torch.randn(1, 4, 2, 8)
+    for name in sorted(set(KERNEL_NAMES) - serving):
+        kern = get_kernel(name)
+        for call in (lambda: kern.forward(q, q, q, scale=1.0, softcap=None, window=(None, 0),
+                                          segments=((0, 2, 4), (0, 2, 4))),
+                     lambda: kern.backward(q, q, q, q, q, torch.zeros(1, 2, 4), scale=1.0, softcap=None,
+                                           window=(None, 0), segments=((0, 2, 4), (0, 2, 4)))):
+            with pytest.raises(ValueError, match="cannot separate packed documents"):
+                call()

@@ -31,7 +31,7 @@ import torch
 
 from ..spec import Window
 from ._common import common_cuda_reason, cuda_arch, empty_result, missing_params, try_import
-from .base import Capabilities, Kernel
+from .base import Capabilities, Kernel, refuse_segments
 from .fa4_softcap import IMPLS, softcap_kwargs
 
 _MODULE = "flash_attn.cute.interface"
@@ -124,9 +124,10 @@ class FA4Kernel(Kernel):
             self._probe_cache[key] = reason
         return self._probe_cache[key]
 
-    def forward(self, q, k, v, *, scale: float, softcap: Optional[float], window: Window
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q, k, v, *, scale: float, softcap: Optional[float], window: Window,
+                segments=None) -> Tuple[torch.Tensor, torch.Tensor]:
         """q [B,Sq,Hq,D], k/v [B,Sk,Hkv,D] -> out [B,Sq,Hq,Dv] (q.dtype), lse [B,Hq,Sq] fp32."""
+        refuse_segments(self, segments)
         if q.shape[1] == 0 or k.shape[1] == 0:
             return empty_result(q, v)
         mod = self._interface()
@@ -150,8 +151,9 @@ class FA4Kernel(Kernel):
         return dout_k, out_k, dlse
 
     def backward(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
-                        window: Window, dlse: Optional[torch.Tensor] = None):
+                        window: Window, dlse: Optional[torch.Tensor] = None, segments=None):
         """Gradients (input dtype) of this chunk pair given the FINAL merged out/lse of its rows."""
+        refuse_segments(self, segments)
         if q.shape[1] == 0 or k.shape[1] == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         mod = self._interface()
