@@ -39,11 +39,12 @@ def reference(q, k, v, dout, mask, softcap, scale):
     return out.detach(), lse.detach(), grads
 
 
-def inputs(segments, hq, hkv, d, dtype, softcap, b=1, seed=0):
+def inputs(segments, hq, hkv, d, dtype, softcap, b=1, seed=0, device="cpu"):
     torch.manual_seed(seed)
     sq, sk = segments[0][-1], segments[1][-1]
-    q, k, v, frac = saturating_qkv(b, sq, sk, hq, hkv, d, dtype, softcap, requires_grad=False)
-    dout = torch.randn(b, sq, hq, d, dtype=torch.float64).to(dtype)
+    q, k, v, frac = saturating_qkv(b, sq, sk, hq, hkv, d, dtype, softcap, requires_grad=False,
+                                   device=device)
+    dout = torch.randn(b, sq, hq, d, dtype=torch.float64).to(device=device, dtype=dtype)
     return q, k, v, dout, frac
 
 
@@ -57,17 +58,20 @@ def run_kernel(kernel, q, k, v, dout, *, scale, softcap, window, segments, backw
 
 
 def check_segmented(kernel, segments, window, *, softcap, dtype, hq=4, hkv=2, d=16, b=1,
-                    negative_control=True, backward=True, tols=None):
+                    negative_control=True, backward=True, tols=None, device="cpu"):
     """Run `kernel` with `segments` and compare out, lse and gradients with the float64 reference;
     with negative_control, the result must NOT match the reference without the boundaries.
     Returns the errors."""
     segments = Segments(tuple(segments[0]), tuple(segments[1]))
-    q, k, v, dout, frac = inputs(segments, hq, hkv, d, dtype, softcap, b)
+    q, k, v, dout, frac = inputs(segments, hq, hkv, d, dtype, softcap, b, device=device)
     if softcap is not None:
         assert frac > 0.4, f"inputs do not saturate tanh: only {frac:.2f} of |s| > 2*cap"
     scale = d ** -0.5
     out, lse, grads = run_kernel(kernel, q, k, v, dout, scale=scale, softcap=softcap, window=window,
                                  segments=segments, backward=backward)
+    # compare on the CPU (the float64 reference runs there)
+    q, k, v, dout, out, lse = (t.cpu() for t in (q, k, v, dout, out, lse))
+    grads = None if grads is None else tuple(g.cpu() for g in grads)
     mask = call_mask(segments, window)
     ref_out, ref_lse, ref_grads = reference(q, k, v, dout, mask, softcap, scale)
     assert_finite(out, "out")
