@@ -1,6 +1,9 @@
 """Gemma2 training example on cp_softcap.CPAttention (see README, "Quickstart").
 
-Modules: config (model shapes), model (Gemma2 on CPAttention, HF weight loading), data (byte
-tokenizer, batches), parallel (process groups, the CP recipe), checkpoint (DCP step-N folders),
-train (the torchrun entry point).
+Setup apart from the training step, as in torchtitan: flags (every flag, checked before anything
+is built), parallel (device, process group, the dp x cp DeviceMesh), parallelize (activation
+checkpointing, torch.compile, FSDP2), step (the CP recipe: one forward+backward), train (the
+torchrun entry point). The model: config, model, loss (chunked softcapped cross-entropy). Around
+it: data, checkpoint (DCP step-N folders), metrics, memory (the per-rank plan), measure and
+memcheck (measured peaks), plan_table (README's table).
 """
