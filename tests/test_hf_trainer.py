@@ -49,10 +49,35 @@ def test_refuses_padding_mask():
         shard_batch(batch(attention_mask=mask), 2, 0)
 
 
-def test_refuses_packed_positions():
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("flash_kwargs", [False, True])
+def test_packed_shards_put_back_give_the_stream(cp, flash_kwargs):
+    import transformers
+    docs = [{"input_ids": list(range(3, 3 + n))} for n in (7, 11, 5)]
+    full = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(docs)
+    shards = [shard_batch(full, cp, r) for r in range(cp)]
+    cu = [0, 7, 18, 23]
+    assert all(s["cu_seqlens"].tolist() == cu for s in shards)
+    assert all(k not in shards[0] for k in ("cu_seq_lens_q", "max_length_q"))
+    put_back = {k: unshard([s[k] for s in shards], cu_seqlens=cu, seq_len=23)
+                for k in ("input_ids", "shift_labels", "position_ids")}
+    assert torch.equal(put_back["input_ids"], full["input_ids"])
+    assert torch.equal(put_back["position_ids"], full["position_ids"])
+    assert torch.equal(put_back["shift_labels"][:, :-1], full["labels"][:, 1:])
+    assert put_back["shift_labels"][0, -1] == -100
+
+
+def test_refuses_packed_rows():
     pos = torch.cat([torch.arange(10), torch.arange(6)]).expand(B, -1)
-    with pytest.raises(ValueError, match="packed documents .*not supported"):
+    with pytest.raises(ValueError, match=r"packed batch of shape \(2, 16\).*ONE row"):
         shard_batch(batch(position_ids=pos), 2, 0)
+
+
+def test_refuses_packed_document_not_starting_at_zero():
+    one = {k: v[:1] for k, v in batch().items()}
+    pos = torch.cat([torch.arange(10), torch.arange(3, 9)])[None]
+    with pytest.raises(ValueError, match="documents must start at position 0"):
+        shard_batch({**one, "position_ids": pos}, 2, 0)
 
 
 def test_refuses_length_the_layout_cannot_take():

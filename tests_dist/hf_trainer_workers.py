@@ -6,8 +6,10 @@ gradient accumulation 2, gradient clipping, evaluation, checkpoint save and resu
     python -m torch.distributed.run --nproc-per-node 4 tests_dist/hf_trainer_workers.py cp OUT_DIR
 
 Each run writes OUT_DIR/<name>.json (logged train losses, eval loss) and OUT_DIR/<name>.pt (final
-weights); the cp mode ends with the example's own main(). The data order is sequential, so a global batch of dp x per-device rows is the same
-rows as the one-process run's batch of dp x per-device rows.
+weights); the cp mode ends with the example's own main(). The data order is sequential, so a
+global batch of dp x per-device rows is the same documents as the one-process run's batch of
+dp x per-device rows; packed runs (DataCollatorWithFlattening: one row per batch) take the same
+documents as the padded rows of the reference, so the same tokens are predicted.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import sys
 import tempfile
 
 import torch
+import transformers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples", "gemma2"))
@@ -36,9 +39,18 @@ def model(attn: str):
     return m
 
 
-def data(dp: int):
-    return (example.text_rows(STEPS * GA * PER_DEVICE * dp, SEQ),
-            example.text_rows(4 * PER_DEVICE, SEQ, seed=1))
+def data(dp: int, packed: bool = False):
+    """Train and eval documents: padded rows, or the same documents unpadded for packing."""
+    return (example.text_rows(STEPS * GA * PER_DEVICE * dp, SEQ, packed=packed),
+            example.text_rows(4 * PER_DEVICE, SEQ, seed=1, packed=packed))
+
+
+def boundaries_dropped(features):
+    """Negative control: the packed row as ONE sequence (documents attend to each other)."""
+    from cp_softcap.sharding import pad_to_multiple
+    batch = transformers.DataCollatorWithFlattening()(features)
+    return {"input_ids": pad_to_multiple(batch["input_ids"], 8),
+            "labels": pad_to_multiple(batch["labels"], 8, value=-100)}
 
 
 def sequential(cls):
@@ -68,7 +80,6 @@ def record(trainer, out_dir: str, name: str) -> None:
 
 
 def reference(out_dir: str) -> None:
-    import transformers
     torch.set_num_threads(1)
     for dp in (1, 2):
         train, evaluation = data(dp)
@@ -83,16 +94,21 @@ def reference(out_dir: str) -> None:
 def cp_runs(out_dir: str) -> None:
     from cp_softcap.integrations.hf_trainer import CPTrainer, cp_mesh
     torch.set_num_threads(1)
+    flatten = transformers.DataCollatorWithFlattening()
     runs = [("dp2_cp2_ring", 2, "ring", {}), ("dp1_cp4_a2a", 4, "a2a", {}),
-            ("dp2_cp2_ring_per_rank", 2, "ring", {"per_rank": True})]
+            ("dp2_cp2_ring_packed", 2, "ring", {"collator": flatten}),
+            ("dp1_cp4_all_gather_packed", 4, "all_gather", {"collator": flatten}),
+            ("dp2_cp2_ring_per_rank", 2, "ring", {"per_rank": True}),
+            ("dp2_cp2_ring_no_boundaries", 2, "ring", {"collator": boundaries_dropped})]
     with tempfile.TemporaryDirectory() as tmp:
         targs = args(tmp, PER_DEVICE)
         meshes = {cp: cp_mesh(cp) for cp in (2, 4)}
         for name, cp, comm, control in runs:
             mesh = meshes[cp]
-            train, evaluation = data(mesh.size(0))
+            train, evaluation = data(mesh.size(0), packed="collator" in control)
             trainer = sequential(CPTrainer)(model=model("cp_softcap"), args=targs, cp_mesh=mesh,
-                                            cp_comm=comm, train_dataset=train, eval_dataset=evaluation)
+                                            cp_comm=comm, data_collator=control.get("collator"),
+                                            train_dataset=train, eval_dataset=evaluation)
             if control.get("per_rank"):      # negative control: each rank's loss over its own tokens
                 trainer.args.average_tokens_across_devices = False
             trainer.train()

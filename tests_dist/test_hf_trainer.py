@@ -1,8 +1,10 @@
 """HF Trainer with context parallelism (cp_softcap.integrations.hf_trainer) against the same plain
 Trainer run in one process without CP (eager attention): dp 2 x cp 2 ring and dp 1 x cp 4 a2a end
-with the same logged losses, eval loss and weights in float32; a dp 2 x cp 2 run resumed from a
-step-2 checkpoint ends like the uninterrupted one; a negative control (each rank's loss normalised
-by its own tokens) does not match; the example runs. One single-process reference and one
+with the same logged losses, eval loss and weights in float32, and so do packed batches
+(DataCollatorWithFlattening) at dp 2 x cp 2 ring and dp 1 x cp 4 all_gather against padded rows
+of the same documents; a dp 2 x cp 2 run resumed from a step-2 checkpoint ends like the
+uninterrupted one; negative controls (each rank's loss normalised by its own tokens, packed
+documents without their boundaries) do not match; the example runs. One single-process reference and one
 torchrun of 4 CPU ranks (tests_dist/hf_trainer_workers.py), started together."""
 import json
 import os
@@ -26,7 +28,7 @@ def runs(tmp_path_factory):
     ref = L.start([sys.executable, WORKERS, "ref", out])
     cp = L.start(L.torchrun_args(4) + [WORKERS, "cp", out])
     _, cp_out = L.finish([ref, cp], timeout=240, what="HF Trainer reference and CP runs")
-    assert "dp 2 x cp 2 (ring): train losses [" in cp_out      # examples/gemma2/hf_trainer.py ran
+    assert "dp 2 x cp 2 (ring, packed): train losses [" in cp_out      # examples/gemma2/hf_trainer.py ran
 
     def load(name):
         with open(os.path.join(out, name + ".json")) as f:
@@ -49,7 +51,8 @@ def errors(run, ref) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name,dp", [("dp2_cp2_ring", 2), ("dp1_cp4_a2a", 1), ("dp2_cp2_ring_resumed", 2)])
+@pytest.mark.parametrize("name,dp", [("dp2_cp2_ring", 2), ("dp1_cp4_a2a", 1), ("dp2_cp2_ring_resumed", 2),
+                                     ("dp2_cp2_ring_packed", 2), ("dp1_cp4_all_gather_packed", 1)])
 def test_matches_one_process_trainer(runs, name, dp):
     load, _ = runs
     err = errors(load(name), load(f"ref_dp{dp}"))
@@ -59,9 +62,11 @@ def test_matches_one_process_trainer(runs, name, dp):
 
 
 @pytest.mark.timeout(300)
-def test_loss_normalised_per_rank_fails(runs):
+@pytest.mark.parametrize("name", ["dp2_cp2_ring_per_rank", "dp2_cp2_ring_no_boundaries"])
+def test_negative_controls_fail(runs, name):
+    """The loss normalised by each rank's own tokens; packed documents without their boundaries."""
     load, _ = runs
-    err = errors(load("dp2_cp2_ring_per_rank"), load("ref_dp2"))
+    err = errors(load(name), load("ref_dp2"))
     assert err["losses"] > 1e-3 and err["weights"] > 1e-3, err
 
 

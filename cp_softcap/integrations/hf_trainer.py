@@ -13,7 +13,9 @@ What CPTrainer changes, each through a Trainer or accelerate hook (docs/hf_train
 - data: the DataLoaders accelerate prepares are sharded over the dp ranks only (its
   BatchSamplerShard gets dp size and dp rank), so all CP ranks of a dp group read the same batch;
   the collator is wrapped in `CPCollator`, which shifts the labels on the FULL sequence, then keeps
-  this rank's zigzag shard of input_ids and labels and adds the global position_ids.
+  this rank's shard of input_ids and labels and adds its position_ids: the zigzag shard for one
+  sequence per row, the packed layout for packed documents (DataCollatorWithFlattening, TRL's
+  padding-free collator), whose GLOBAL boundaries go to the model as `cu_seqlens`.
 - loss: Trainer counts the valid labels of the sharded batches and sums the counts over the world
   (`average_tokens_across_devices=True`, required), so every rank's loss is its cross-entropy sum
   divided by the GLOBAL count; Trainer scales it by the world size, which cancels DDP's average:
@@ -22,8 +24,8 @@ What CPTrainer changes, each through a Trainer or accelerate hook (docs/hf_train
   as in a one-process evaluation with the same per-device batch size.
 
 Refused with a message naming the fix: cp that does not divide the world, a model whose attention
-does not route through cp_softcap, a padding attention mask, packed batches (position_ids that
-restart), sequence lengths that 2 * cp does not divide, accelerate's own CP/SP/TP, per-rank
+does not route through cp_softcap, a padding attention mask, packed documents spread over several
+rows or not starting at position 0, unpacked lengths that 2 * cp does not divide, accelerate's own CP/SP/TP, per-rank
 token averaging, label smoothing, a custom compute_loss_func, dispatched batches.
 """
 from __future__ import annotations
@@ -45,7 +47,7 @@ if int(transformers.__version__.split(".")[0]) < 5:
 from ..sharding import positions, shard
 from .hf import cp_softcap_attention, use_cp_group
 
-_TOKEN_KEYS = ("input_ids", "labels", "shift_labels", "attention_mask", "position_ids")
+_TOKEN_KEYS = ("input_ids", "labels", "shift_labels")
 
 
 def cp_mesh(cp: int, *, device_type: Optional[str] = None):
@@ -69,33 +71,92 @@ def cp_mesh(cp: int, *, device_type: Optional[str] = None):
 def shard_batch(batch: dict, cp: int, rank: int) -> dict:
     """A collated causal-LM batch (input_ids [B, S], labels [B, S] as HF takes them, unshifted)
     -> this CP rank's shard: input_ids, labels == shift_labels (shifted on the full sequence, then
-    sharded) and position_ids [B, S/cp] (global zigzag positions). cp == 1 gives the same keys
-    unsharded, so a one-process run sees the same loss inputs."""
+    sharded) and position_ids. cp == 1 gives the same keys unsharded, so a one-process run sees
+    the same loss inputs.
+
+    Unpacked (one sequence per row): the zigzag shard [B, S/cp] and global positions.
+    Packed (one row of documents whose position_ids restart at 0, as DataCollatorWithFlattening
+    and padding-free collators emit; or cu_seq_lens_q): the packed layout's shard
+    [1, packed_len(S, cp) / cp] of the stream padded at its end, document-relative positions, and
+    `cu_seqlens`, the GLOBAL boundaries, identical on every rank, which the model passes on to
+    cp_softcap's attention."""
     batch = dict(batch)
     ids = batch["input_ids"]
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(ids.shape)}")
     b, s = ids.shape
     _check_mask(batch.pop("attention_mask", None))
-    _check_positions(batch.pop("position_ids", None), s)
+    cu = _documents(batch, b, s)
     _check_other_keys(batch, b, s)
-    if s % (2 * cp):
-        raise ValueError(
-            f"sequence length {s} of this batch is not a multiple of 2 * cp = {2 * cp} (CP rank {rank}): "
-            "the zigzag layout splits it into 2 * cp equal chunks. Pad every batch to a multiple of "
-            f"{2 * cp} (e.g. the tokenizer's or collator's pad_to_multiple_of={2 * cp}, or "
-            f"cp_softcap.sharding.pad_to_multiple(x, {2 * cp}) with labels -100) without an attention mask")
     shifted = batch.pop("shift_labels", None)
     labels = batch.pop("labels", None)
     if shifted is None and labels is not None:
         shifted = F.pad(labels[:, 1:], (0, 1), value=-100)   # HF's causal shift, on the full sequence
     out = dict(batch)
-    out["input_ids"] = shard(ids, cp, rank).contiguous()
-    out["position_ids"] = positions(s, cp, rank, device=ids.device)[None].expand(b, -1).contiguous()
+    if cu is None:
+        _check_length(s, cp, rank)
+        out["input_ids"] = shard(ids, cp, rank).contiguous()
+        pos = positions(s, cp, rank, device=ids.device)
+    else:
+        out["input_ids"] = shard(ids, cp, rank, cu_seqlens=cu).contiguous()
+        pos = positions(s, cp, rank, device=ids.device, cu_seqlens=cu)
+        out["cu_seqlens"] = torch.tensor(cu, dtype=torch.int64)
+        if shifted is not None:
+            shifted = shard(shifted, cp, rank, cu_seqlens=cu, pad_value=-100)
     if shifted is not None:
+        if cu is None:
+            shifted = shard(shifted, cp, rank)
         # labels must be non-None for HF to compute a loss; shift_labels stops HF shifting the shard
-        out["labels"] = out["shift_labels"] = shard(shifted, cp, rank).contiguous()
+        out["labels"] = out["shift_labels"] = shifted.contiguous()
+    out["position_ids"] = pos[None].expand(b, -1).contiguous()
     return out
+
+
+def _check_length(s: int, cp: int, rank: int) -> None:
+    if s % (2 * cp):
+        raise ValueError(
+            f"sequence length {s} of this batch is not a multiple of 2 * cp = {2 * cp} (CP rank {rank}): "
+            "the zigzag layout splits it into 2 * cp equal chunks. Pad every batch to a multiple of "
+            f"{2 * cp} (e.g. the tokenizer's or collator's pad_to_multiple_of={2 * cp}, or "
+            f"cp_softcap.sharding.pad_to_multiple(x, {2 * cp}) with labels -100) without an attention "
+            "mask, or pack the documents (DataCollatorWithFlattening), which takes any length")
+
+
+def _documents(batch: dict, b: int, s: int):
+    """The global document boundaries [0, ..., s] of a packed batch, or None for an unpacked one.
+    Removes the packing keys (position_ids, cu_seq_lens_*, max_length_*, seq_idx): the shard gets
+    its own positions, and per-rank boundaries would be wrong under CP."""
+    pos = batch.pop("position_ids", None)
+    cu_q, cu_k = batch.pop("cu_seq_lens_q", None), batch.pop("cu_seq_lens_k", None)
+    for key in ("max_length_q", "max_length_k", "seq_idx"):
+        batch.pop(key, None)
+    if cu_q is not None:
+        if cu_k is not None and not torch.equal(torch.as_tensor(cu_q), torch.as_tensor(cu_k)):
+            raise ValueError("the batch has cu_seq_lens_q != cu_seq_lens_k; packed documents need "
+                             "queries and keys over the same stream")
+        cu = [int(x) for x in torch.as_tensor(cu_q).flatten()]
+    elif pos is not None:
+        pos = torch.as_tensor(pos).reshape(-1, s)
+        if bool((pos == torch.arange(s, device=pos.device)).all()):
+            return None     # plain positions, recomputed per shard
+        starts = (pos[0, 1:] - pos[0, :-1] != 1).nonzero().flatten() + 1
+        cu = [0] + starts.tolist() + [s]
+    else:
+        return None
+    if b != 1 or cu[0] != 0 or cu[-1] != s:
+        raise ValueError(
+            f"packed batch of shape {(b, s)} with document boundaries {cu[:6]}...: CPTrainer takes packed "
+            "documents as ONE row covering the whole stream (DataCollatorWithFlattening's layout); "
+            "pack each batch into one row, or use one document per row without position_ids")
+    if pos is not None:
+        from ..documents import doc_positions
+        expected = doc_positions(tuple(cu), torch.arange(s, device=pos.device))
+        if not bool((pos == expected).all()):
+            raise ValueError(
+                f"the packed batch's position_ids (starting {pos[0, :8].tolist()}) are not 0, 1, ... within "
+                f"each document of the boundaries {cu[:6]}...; cp_softcap gives each rank document-relative "
+                "positions, so documents must start at position 0")
+    return cu
 
 
 def _check_mask(mask) -> None:
@@ -105,19 +166,6 @@ def _check_mask(mask) -> None:
         f"the batch has an attention_mask {tuple(mask.shape)} with padding (zeros); context-parallel "
         "attention applies only causal and sliding-window masks. Right padding needs no mask: give the "
         "pad positions labels -100 and drop attention_mask (e.g. remove it in the collator).")
-
-
-def _check_positions(pos, s: int) -> None:
-    if pos is None:
-        return
-    pos = torch.as_tensor(pos).reshape(-1, s)
-    if bool((pos == torch.arange(s, device=pos.device)).all()):
-        return          # plain positions, recomputed per shard
-    raise ValueError(
-        f"the batch has position_ids that are not 0..{s - 1} in every row (first row starts "
-        f"{pos[0, :8].tolist()}): packed documents (position resets, e.g. DataCollatorWithFlattening or "
-        "a padding-free collator) are not supported by CPTrainer in this version. Use one document per "
-        "row, right-padded with labels -100.")
 
 
 def _check_other_keys(batch: dict, b: int, s: int) -> None:

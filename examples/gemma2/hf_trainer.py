@@ -1,16 +1,17 @@
 """Fine-tune a tiny random Gemma2 with HF `Trainer` and context parallelism (CPU, gloo).
 
     torchrun --nproc-per-node 4 examples/gemma2/hf_trainer.py              # dp 2 x cp 2, ring
-    torchrun --nproc-per-node 4 examples/gemma2/hf_trainer.py --cp 4 --comm a2a
+    torchrun --nproc-per-node 4 examples/gemma2/hf_trainer.py --cp 4 --comm a2a --unpacked
     python examples/gemma2/hf_trainer.py --cp 1                            # one process, no CP
 
 The model keeps Gemma2's structure (attention softcap, final-logit softcap, a sliding window of
-16 tokens on even layers, shorter than the 64-token rows, GQA 4/2) at a toy size; the data are
-documents of the standard library's pydoc text under a byte-level tokenizer, one per row,
-right-padded with labels -100 (no attention mask: causal attention never looks at the pads).
-CPTrainer (cp_softcap.integrations.hf_trainer) gives every CP rank of a dp group the same batch
-and keeps its zigzag shard; the logged loss is the loss of the whole global batch, as on one
-process. Needs transformers and accelerate (pip install -e ".[gemma2]" accelerate), no download.
+16 tokens on even layers, shorter than the 32-64-token documents, GQA 4/2) at a toy size; the data
+are documents of the standard library's pydoc text under a byte-level tokenizer, packed by
+transformers' DataCollatorWithFlattening (each batch one row, documents attend only to
+themselves), or with --unpacked one per row, right-padded with labels -100 (no attention mask:
+causal attention never looks at the pads). CPTrainer (cp_softcap.integrations.hf_trainer) gives
+every CP rank of a dp group the same batch and keeps its shard; the logged loss is the loss of
+the whole global batch, as on one process. Needs transformers and accelerate (pip install -e ".[gemma2]" accelerate), no download.
 """
 from __future__ import annotations
 
@@ -39,9 +40,11 @@ def tiny_gemma2(attn_implementation: str = "cp_softcap", *, softcap: float = 50.
     return transformers.Gemma2ForCausalLM(config)
 
 
-def text_rows(n: int, seq_len: int, seed: int = 0) -> list:
-    """n rows {"input_ids", "labels"} of seq_len tokens: a document of seq_len/2..seq_len tokens
-    (bos + bytes), then pads with labels -100."""
+def text_rows(n: int, seq_len: int, seed: int = 0, *, packed: bool = False) -> list:
+    """n documents of seq_len/2..seq_len tokens (bos + bytes of the pydoc text): for packing,
+    {"input_ids": doc} (DataCollatorWithFlattening packs a batch into one row and masks each
+    document's first label); else rows {"input_ids", "labels"} right-padded to seq_len with
+    labels -100."""
     from pydoc_data.topics import topics
     text = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
     g = torch.Generator().manual_seed(seed)
@@ -50,8 +53,9 @@ def text_rows(n: int, seq_len: int, seed: int = 0) -> list:
         length = int(torch.randint(seq_len // 2, seq_len + 1, (), generator=g))
         start = int(torch.randint(0, len(text) - seq_len, (), generator=g))
         doc = [2] + [b + 3 for b in text[start:start + length - 1]]
-        ids = doc + [PAD] * (seq_len - length)
-        rows.append({"input_ids": ids, "labels": doc + [-100] * (seq_len - length)})
+        pad = seq_len - length
+        rows.append({"input_ids": doc} if packed else
+                    {"input_ids": doc + [PAD] * pad, "labels": doc + [-100] * pad})
     return rows
 
 
@@ -70,20 +74,25 @@ def main(argv=None) -> None:
     p.add_argument("--cp", type=int, default=2, help="CP size; dp = ranks / cp (default 2)")
     p.add_argument("--comm", default="ring", help="ring | all_gather | a2a | auto (default ring)")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps (default 4)")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per row, a multiple of 2 * cp")
+    p.add_argument("--seq-len", type=int, default=64, help="longest document (default 64)")
+    p.add_argument("--unpacked", action="store_true",
+                   help="one document per row, padded to --seq-len (a multiple of 2 * cp)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         args = training_args(tmp, max_steps=a.steps)          # initialises torch.distributed
         mesh = cp_mesh(a.cp)
+        packed = not a.unpacked
+        collator = transformers.DataCollatorWithFlattening() if packed else None
         trainer = CPTrainer(model=tiny_gemma2(), args=args, cp_mesh=mesh, cp_comm=a.comm,
-                            train_dataset=text_rows(64, a.seq_len),
-                            eval_dataset=text_rows(8, a.seq_len, seed=1))
+                            data_collator=collator, train_dataset=text_rows(64, a.seq_len, packed=packed),
+                            eval_dataset=text_rows(8, a.seq_len, seed=1, packed=packed))
         trainer.train()
         metrics = trainer.evaluate()
     if args.process_index == 0:
         losses = [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h]
-        print(f"dp {mesh.size(0)} x cp {mesh.size(1)} ({a.comm}): train losses {losses}, "
+        print(f"dp {mesh.size(0)} x cp {mesh.size(1)} ({a.comm}, {'unpacked' if a.unpacked else 'packed'}): "
+              f"train losses {losses}, "
               f"eval loss {metrics['eval_loss']:.4f}", flush=True)
 
 
