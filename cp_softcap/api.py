@@ -14,9 +14,10 @@ import torch
 from .cp.a2a import A2AAttention
 from .cp.a2a_p2p import A2AP2PAttention
 from .cp.all_gather import AllGatherAttention
-from .cp.guard import autocast_off
+from .cp.guard import autocast_off, refuse_second_order
 from .cp.ring import RingAttention
 from .export import export_attention, is_exporting
+from .kernels.torch_kernel import TorchKernel
 from .packed_local import check_packed, packed_attention
 from .plan import Backend, check_group, local_plan, plan_for, resolve_groups, spec_for
 from .spec import check_comm, check_qkv, normalize_softcap, normalize_window
@@ -53,7 +54,14 @@ class _LocalAttention(torch.autograd.Function):
         dq, dk, dv = ctx.plan.kernel.backward(dout.contiguous(), q, k, v, out, lse,
                                               scale=spec.scale, softcap=spec.softcap,
                                               window=spec.window, dlse=dlse)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
+        if torch.is_grad_enabled() and not isinstance(ctx.plan.kernel, TorchKernel):
+            # only the torch kernel's backward is made of differentiable ops (exact double backward)
+            grads = refuse_second_order(grads, (
+                f"cp_softcap: double backward through attention with the {ctx.plan.kernel.name!r} "
+                "kernel is not supported (its backward is not differentiable); pass "
+                "backend='torch' for a loss that differentiates these gradients"))
+        return grads + (None,)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: Optional[float] = None,

@@ -97,11 +97,11 @@ def autocast_off(fn):
     return run
 
 
-def _refuse_second_order(grads: tuple) -> tuple:
-    """Wrap the gradients so that differentiating them raises DOUBLE_BACKWARD."""
+def refuse_second_order(grads: tuple, message: str = DOUBLE_BACKWARD) -> tuple:
+    """Wrap the gradients so that differentiating them raises `message`."""
     wrapped = [None if g is None else g.detach().requires_grad_() for g in grads]
     present = [g for g in wrapped if g is not None]
-    error = torch._C._functions.DelayedError(DOUBLE_BACKWARD, len(present))
+    error = torch._C._functions.DelayedError(message, len(present))
     raised = iter(error(*present))
     return tuple(None if g is None else next(raised) for g in wrapped)
 
@@ -128,7 +128,7 @@ def guarded(function: type) -> type:
             stack.enter_context(in_call(call))
             _check_call(ctx.plan, call)
             result = backward(ctx, *grads)
-        return _refuse_second_order(result) if create_graph else result
+        return refuse_second_order(result) if create_graph else result
 
     function.forward = staticmethod(functools.wraps(forward)(guarded_forward))
     function.backward = staticmethod(functools.wraps(backward)(guarded_backward))
