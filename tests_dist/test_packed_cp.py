@@ -266,3 +266,44 @@ def test_byte_model_equals_counted_bytes(block_keys):
             assert measured[r][i] == want, f"{BYTE_CASES[i]} rank {r}: counted {measured[r][i]} != {want}"
         busiest = max(sum(m[i]["fwd"].values()) + sum(m[i]["bwd"].values()) for m in measured)
         assert bytes_per_rank(spec, layout.seq_len, batch=2, a2a_size=a2a, **kw)[comm] == busiest
+
+
+def _bf16_returns_worker(rank, world):
+    """Packed ring with bf16 kernel partials: returning exclusive blocks' dK/dV in bf16 gives
+    bitwise the gradients of returning float32 copies (what doc_geometry.block_exclusive
+    promises), and at least one block does return bf16."""
+    import torch.distributed as dist
+    import cp_softcap as cps
+    from cases import native_standin
+    from cp_softcap.cp import ring
+    from cp_softcap.sharding import shard
+    from cp_softcap.spec import grad_dtype
+    kernel, exact, bf16_blocks = native_standin(), ring.return_dtype, [0]
+
+    def counted(kernel, dtype, exclusive):
+        dt = exact(kernel, dtype, exclusive)
+        bf16_blocks[0] += dt == torch.bfloat16
+        return dt
+    cu, s, _ = _cases(world)[0]
+    same = []
+    for keys in ("0", "16384"):
+        os.environ["CP_SOFTCAP_RING_BLOCK_KEYS"] = keys
+        for causal, window in ((True, None), (True, (6, 0)), (False, (9, 4))):
+            torch.manual_seed(1)
+            q, k, v, dout = (torch.randn(2, s, h, 8).to(torch.bfloat16) for h in (4, 2, 2, 4))
+            grads = []
+            for returns in (counted, lambda kernel, dtype, *_: grad_dtype(dtype)):
+                ring.return_dtype = returns
+                local = [shard(t, world, rank, cu_seqlens=cu).requires_grad_() for t in (q, k, v)]
+                out = cps.cp_attention(*local, dist.group.WORLD, backend=kernel, softcap=30.0,
+                                       causal=causal, window=window, cu_seqlens=cu)
+                out.backward(shard(dout, world, rank, cu_seqlens=cu))
+                grads.append([t.grad for t in local])
+            same.append(all(torch.equal(a, b) for a, b in zip(*grads)))
+    return same, bf16_blocks[0]
+
+
+def test_packed_bf16_returns_are_bitwise_the_float32_returns():
+    results = run_ranks(_bf16_returns_worker, 4, timeout=200)
+    assert all(all(same) for same, _ in results), results
+    assert sum(n for _, n in results) > 0, results
