@@ -193,6 +193,10 @@ def render(job: Job, limit: int) -> str:
             f"{'FSDP2' if job.fsdp else 'replicated'}, comm {job.comm}, "
             f"{c.num_hidden_layers} layers x hidden {c.hidden_size}")
     lines = [head] + [f"  {name:<58} {b / GIB:10.3f} GiB" for name, b in estimate(job)]
+    kept = {ac: dict(estimate(replace(job, ac=ac)))["activations kept for backward [step]"]
+            for ac in ("none", "selective", "full")}
+    lines.append("  activations kept with --ac none / selective / full: "
+                 + " / ".join(f"{b / GIB:.3f}" for b in kept.values()) + " GiB")
     lines.append(f"  {'device memory per rank':<58} {limit / GIB:10.3f} GiB")
     return "\n".join(lines)
 
