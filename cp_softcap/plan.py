@@ -292,15 +292,36 @@ def _remember(plans: dict, key: tuple, plan: Plan) -> None:
             del plans[old]
 
 
+# The last boundaries tensor and its layout: every layer of a step passes the same tensor, and
+# reading it (a device sync when it lives on the GPU) and validating it again would cost each
+# layer ~40 us of host time. Its version counter says whether it was written to since; holding
+# it keeps its identity from being reused by another tensor.
+_LAST_BOUNDARIES: list = [None]         # (tensor, (version, local_len, cp), layout)
+
+
+def _tensor_key(cu_seqlens, local_len: int, cp: int):
+    if not isinstance(cu_seqlens, torch.Tensor):
+        return None
+    try:
+        return (cu_seqlens._version, local_len, cp)
+    except RuntimeError:                # inference tensors keep no version counter
+        return None
+
+
 def _documents(cu_seqlens, local_len: int, cp: int, rank: int):
     """(PackedLayout or None, error or None) for the boundaries of a call on local shards of
     local_len tokens (the layout's local length, sharding.shard(..., cu_seqlens=))."""
     if cu_seqlens is None:
         return None, None
+    key, last = _tensor_key(cu_seqlens, local_len, cp), _LAST_BOUNDARIES[0]
+    if key is not None and last is not None and last[0] is cu_seqlens and last[1] == key:
+        return last[2], None
     try:
         layout = layout_for(cu_seqlens, local_len * cp, cp, rank=rank)
     except (TypeError, ValueError) as e:
         return None, e
+    if key is not None and layout.local_len == local_len:
+        _LAST_BOUNDARIES[0] = (cu_seqlens, key, layout)
     if layout.local_len != local_len:
         return None, ValueError(
             f"local shards have {local_len} tokens on CP rank {rank}, but the packed layout of these "
