@@ -2,7 +2,7 @@
 (attention softcap 3 saturated by large weights, final softcap 5, window 16 < 32 tokens,
 gradient accumulation 2, gradient clipping, evaluation, checkpoint save and resume) run two ways.
 
-    python tests_dist/hf_trainer_workers.py ref OUT_DIR          # plain Trainer, eager, 1 process
+    python tests_dist/hf_trainer_workers.py ref OUT_DIR          # plain Trainer, eager float64, 1 process
     python -m torch.distributed.run --nproc-per-node 4 tests_dist/hf_trainer_workers.py cp OUT_DIR
 
 Each run writes OUT_DIR/<name>.json (logged train losses, eval loss) and OUT_DIR/<name>.pt (final
@@ -85,7 +85,7 @@ def reference(out_dir: str) -> None:
         train, evaluation = data(dp)
         with tempfile.TemporaryDirectory() as tmp:
             trainer = sequential(transformers.Trainer)(
-                model=model("eager"), args=args(tmp, PER_DEVICE * dp), train_dataset=train,
+                model=model("eager").double(), args=args(tmp, PER_DEVICE * dp), train_dataset=train,
                 eval_dataset=evaluation)
             trainer.train()
             record(trainer, out_dir, f"ref_dp{dp}")
