@@ -115,6 +115,7 @@ def cp_runs(out_dir: str) -> None:
             trainer.args.average_tokens_across_devices = True
             record(trainer, out_dir, name)
         resumed(out_dir, meshes[2])
+        shuffled(out_dir, targs, meshes[2])
         refusals(out_dir, targs, meshes[2])
     example.main(["--steps", "2"])           # the example as README runs it (dp 2 x cp 2, ring)
 
@@ -132,6 +133,30 @@ def resumed(out_dir: str, mesh) -> None:
                                     cp_comm="ring", train_dataset=train, eval_dataset=evaluation)
     trainer.train(resume_from_checkpoint=os.path.join(ckpt, "checkpoint-2"))
     record(trainer, out_dir, "dp2_cp2_ring_resumed")
+
+
+def shuffled(out_dir: str, targs, mesh) -> None:
+    """Trainer's default shuffled sampler: the CP ranks of a dp group get the same packed batch
+    (same global boundaries), the dp groups different ones. Writes shuffled.json on rank 0."""
+    import torch.distributed as dist
+    from cp_softcap.integrations.hf_trainer import CPTrainer
+    seen = []
+
+    class Spy(CPTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            cu = torch.full((64,), -1, dtype=torch.int64)
+            cu[:len(inputs["cu_seqlens"])] = inputs["cu_seqlens"]
+            every = [torch.empty_like(cu) for _ in range(dist.get_world_size())]
+            dist.all_gather(every, cu)
+            seen.append([e[e >= 0].tolist() for e in every])
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    train, _ = data(mesh.size(0), packed=True)
+    Spy(model=model("cp_softcap"), args=targs, cp_mesh=mesh, train_dataset=train,
+        data_collator=transformers.DataCollatorWithFlattening()).train()
+    if targs.process_index == 0:
+        with open(os.path.join(out_dir, "shuffled.json"), "w") as f:
+            json.dump(seen, f)
 
 
 def refusals(out_dir: str, targs, mesh) -> None:

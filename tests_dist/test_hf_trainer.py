@@ -3,7 +3,7 @@ Trainer run in one process without CP (HF's eager attention in float64): dp 2 x 
 dp 1 x cp 4 a2a in float32 end with the same logged losses, eval loss and weights (1e-5 relative), and so do packed batches
 (DataCollatorWithFlattening) at dp 2 x cp 2 ring and dp 1 x cp 4 all_gather against padded rows
 of the same documents; a dp 2 x cp 2 run resumed from a step-2 checkpoint ends like the
-uninterrupted one; negative controls (each rank's loss normalised by its own tokens, packed
+uninterrupted one; with Trainer's shuffling, CP peers read the same batches; negative controls (each rank's loss normalised by its own tokens, packed
 documents without their boundaries) do not match; the example runs. One single-process reference and one
 torchrun of 4 CPU ranks (tests_dist/hf_trainer_workers.py), started together."""
 import json
@@ -68,6 +68,17 @@ def test_negative_controls_fail(runs, name):
     load, _ = runs
     err = errors(load(name), load("ref_dp2"))
     assert err["losses"] > 1e-3 and err["weights"] > 1e-3, err
+
+
+@pytest.mark.timeout(300)
+def test_shuffled_batches_agree_within_cp_groups(runs):
+    _, out = runs
+    with open(os.path.join(out, "shuffled.json")) as f:
+        steps = json.load(f)          # per micro-step: every rank's global boundaries (ranks 0-3)
+    assert len(steps) == 6
+    for cu in steps:
+        assert cu[0] == cu[1] and cu[2] == cu[3], cu       # cp peers: the same batch
+    assert any(cu[0] != cu[2] for cu in steps)             # dp groups: different batches
 
 
 @pytest.mark.timeout(300)
