@@ -189,15 +189,14 @@ class CPCollator:
 
 def check_cp_model(model) -> None:
     """Raise unless every attention of `model` goes through cp_softcap's registered function."""
-    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     model = getattr(model, "module", model)
     configs = [model.config] + [getattr(model.config, k) for k in getattr(model.config, "sub_configs", {})]
     for config in configs:
         name = getattr(config, "_attn_implementation", None)
         if name is None:
             continue
-        fn = AttentionInterface._global_mapping.get(name)
-        if fn is not cp_softcap_attention:
+        if ALL_ATTENTION_FUNCTIONS.get(name) is not cp_softcap_attention:
             raise ValueError(
                 f"{type(model).__name__} runs attention with attn_implementation={name!r}, which does not "
                 "route through cp_softcap, so its attention would not be context parallel. Load it with "
