@@ -5,7 +5,7 @@ gradient accumulation 2, gradient clipping, evaluation, checkpoint save and resu
     python tests_dist/hf_trainer_workers.py ref OUT_DIR          # plain Trainer, eager float64, 1 process
     python -m torch.distributed.run --nproc-per-node 4 tests_dist/hf_trainer_workers.py cp OUT_DIR
 
-Each run writes OUT_DIR/<name>.json (logged train losses, eval loss) and OUT_DIR/<name>.pt (final
+Each run writes OUT_DIR/<name>.json (logged train losses and grad norms, eval loss) and OUT_DIR/<name>.pt (final
 weights); the cp mode ends with the example's own main(). The data order is sequential, so a
 global batch of dp x per-device rows is the same documents as the one-process run's batch of
 dp x per-device rows; packed runs (DataCollatorWithFlattening: one row per batch) take the same
@@ -72,9 +72,10 @@ def record(trainer, out_dir: str, name: str) -> None:
     metrics = trainer.evaluate()
     if trainer.args.process_index != 0:
         return
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    steps = [h for h in trainer.state.log_history if "loss" in h]
     with open(os.path.join(out_dir, name + ".json"), "w") as f:
-        json.dump({"losses": losses, "eval_loss": metrics["eval_loss"]}, f)
+        json.dump({"losses": [h["loss"] for h in steps], "grad_norms": [h["grad_norm"] for h in steps],
+                   "eval_loss": metrics["eval_loss"]}, f)
     torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
                os.path.join(out_dir, name + ".pt"))
 

@@ -1,11 +1,13 @@
 """HF Trainer with context parallelism (cp_softcap.integrations.hf_trainer) against the same plain
 Trainer run in one process without CP (HF's eager attention in float64): dp 2 x cp 2 ring and
-dp 1 x cp 4 a2a in float32 end with the same logged losses, eval loss and weights (1e-5 relative), and so do packed batches
-(DataCollatorWithFlattening) at dp 2 x cp 2 ring and dp 1 x cp 4 all_gather against padded rows
-of the same documents; a dp 2 x cp 2 run resumed from a step-2 checkpoint ends like the
-uninterrupted one; with Trainer's shuffling, CP peers read the same batches; negative controls (each rank's loss normalised by its own tokens, packed
-documents without their boundaries) do not match; the example runs. One single-process reference and one
-torchrun of 4 CPU ranks (tests_dist/hf_trainer_workers.py), started together."""
+dp 1 x cp 4 a2a in float32 end with the same logged losses, grad norms, eval loss and weights
+(1e-5 relative), and so do packed batches (DataCollatorWithFlattening) at dp 2 x cp 2 ring and
+dp 1 x cp 4 all_gather against padded rows of the same documents; a dp 2 x cp 2 run resumed
+from a step-2 checkpoint ends like the uninterrupted one; with Trainer's shuffling, CP peers read
+the same batches; negative controls (each rank's loss normalised by its own tokens, packed
+documents without their boundaries) do not match; the example runs. One single-process
+reference and one torchrun of 4 CPU ranks (tests_dist/hf_trainer_workers.py), started together.
+"""
 import json
 import os
 import sys
@@ -47,6 +49,7 @@ def errors(run, ref) -> dict:
     (log, weights), (ref_log, ref_weights) = run, ref
     assert len(log["losses"]) == len(ref_log["losses"]) == 3
     return {"losses": rel(log["losses"], ref_log["losses"]), "eval": rel(log["eval_loss"], ref_log["eval_loss"]),
+            "grad_norms": rel(log["grad_norms"], ref_log["grad_norms"]),
             "weights": max(rel(weights[k], ref_weights[k]) for k in ref_weights)}
 
 
