@@ -219,16 +219,28 @@ BYTE_CASES = [
 ]
 
 
-def _bytes_worker(rank, world, block_keys):
+BLOCK_KEYS = ("0", "16384")          # one step per block, and the default-like blocks
+
+
+def _bytes_worker(rank, world):
     import torch.distributed as dist
     import cp_softcap as cps
     from cases import native_standin
-    from cp_softcap.sharding import shard
-    from cp_softcap.transport import counting
-    os.environ["CP_SOFTCAP_RING_BLOCK_KEYS"] = block_keys
     cu, s, _ = _cases(world)[0]
     hybrid = cps.make_hybrid_groups(None, 2)
     native = native_standin()
+    out = []
+    for keys in BLOCK_KEYS:
+        os.environ["CP_SOFTCAP_RING_BLOCK_KEYS"] = keys
+        out.append(_count_bytes(rank, world, cu, s, hybrid, native))
+    return out
+
+
+def _count_bytes(rank, world, cu, s, hybrid, native):
+    import torch.distributed as dist
+    import cp_softcap as cps
+    from cp_softcap.sharding import shard
+    from cp_softcap.transport import counting
     out = []
     for i, (comm, a2a, causal, window, nat, dtype) in enumerate(BYTE_CASES):
         g = torch.Generator().manual_seed(i)
@@ -244,16 +256,20 @@ def _bytes_worker(rank, world, block_keys):
     return out
 
 
-@pytest.mark.parametrize("block_keys", ["0", "16384"])
-def test_byte_model_equals_counted_bytes(block_keys):
+def test_byte_model_equals_counted_bytes():
     """cp/auto.py's model with documents= == the bytes each rank counted, op by op (cp 4)."""
-    from cp_softcap.cp.auto import bytes_per_rank, sent_per_rank
     from cp_softcap.sharding import layout_for
-    from cp_softcap.spec import make_spec
     world = 4
     cu, s, _ = _cases(world)[0]
     layout = layout_for(cu, s, world)
-    measured = run_ranks(_bytes_worker, world, block_keys, timeout=200)
+    per_keys = run_ranks(_bytes_worker, world, timeout=200)
+    for b, block_keys in enumerate(BLOCK_KEYS):
+        _compare_bytes([r[b] for r in per_keys], block_keys, layout, world)
+
+
+def _compare_bytes(measured, block_keys, layout, world):
+    from cp_softcap.cp.auto import bytes_per_rank, sent_per_rank
+    from cp_softcap.spec import make_spec
     for i, (comm, a2a, causal, window, nat, dtype) in enumerate(BYTE_CASES):
         spec = make_spec(head_dim=8, num_heads=4, num_kv_heads=2, dtype=dtype, device_type="cpu",
                          softcap=5.0, causal=causal, window=window, cp_size=world, comm=comm,
