@@ -94,7 +94,8 @@ def test_refuses_unknown_per_token_tensor():
 def test_refuses_cp_not_dividing_world(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "1")
-    with pytest.raises(ValueError, match=r"cp=3 does not divide the world of 4 ranks \(rank 1\).*\[1, 2, 4\]"):
+    with pytest.raises(ValueError, match=r"cp=3 does not divide the world of 4 ranks \(rank 1\)"
+                                         r".*\[1, 2, 4\]"):
         cp_mesh(3)
 
 
@@ -104,7 +105,7 @@ def test_refuses_model_not_routed_through_cp_softcap():
                                        num_attention_heads=2, num_key_value_heads=1, head_dim=4,
                                        attn_implementation="eager")
     model = transformers.Gemma2ForCausalLM(config)
-    with pytest.raises(ValueError, match="attn_implementation='eager', which does not route through cp_softcap"):
+    with pytest.raises(ValueError, match="attn_implementation='eager', which does not route through"):
         check_cp_model(model)
     model.set_attn_implementation("cp_softcap")
     check_cp_model(model)

@@ -5,11 +5,12 @@ gradient accumulation 2, gradient clipping, evaluation, checkpoint save and resu
     python tests_dist/hf_trainer_workers.py ref OUT_DIR          # plain Trainer, eager float64, 1 process
     python -m torch.distributed.run --nproc-per-node 4 tests_dist/hf_trainer_workers.py cp OUT_DIR
 
-Each run writes OUT_DIR/<name>.json (logged train losses and grad norms, eval loss) and OUT_DIR/<name>.pt (final
-weights); the cp mode ends with the example's own main(). The data order is sequential, so a
-global batch of dp x per-device rows is the same documents as the one-process run's batch of
-dp x per-device rows; packed runs (DataCollatorWithFlattening: one row per batch) take the same
-documents as the padded rows of the reference, so the same tokens are predicted.
+Each run writes OUT_DIR/<name>.json (logged train losses and grad norms, eval loss) and
+OUT_DIR/<name>.pt (final weights); the cp mode ends with the example's own main(). The data
+order is sequential, so a global batch of dp x per-device rows is the same documents as the
+one-process run's batch of dp x per-device rows; packed runs (DataCollatorWithFlattening: one
+row per batch) take the same documents as the padded rows of the reference, so the same tokens
+are predicted.
 """
 from __future__ import annotations
 

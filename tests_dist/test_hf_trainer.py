@@ -48,7 +48,8 @@ def rel(a, b) -> float:
 def errors(run, ref) -> dict:
     (log, weights), (ref_log, ref_weights) = run, ref
     assert len(log["losses"]) == len(ref_log["losses"]) == 3
-    return {"losses": rel(log["losses"], ref_log["losses"]), "eval": rel(log["eval_loss"], ref_log["eval_loss"]),
+    return {"losses": rel(log["losses"], ref_log["losses"]),
+            "eval": rel(log["eval_loss"], ref_log["eval_loss"]),
             "grad_norms": rel(log["grad_norms"], ref_log["grad_norms"]),
             "weights": max(rel(weights[k], ref_weights[k]) for k in ref_weights)}
 

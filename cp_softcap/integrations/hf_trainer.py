@@ -25,8 +25,8 @@ What CPTrainer changes, each through a Trainer or accelerate hook (docs/hf_train
 
 Refused with a message naming the fix: cp that does not divide the world, a model whose attention
 does not route through cp_softcap, a padding attention mask, packed documents spread over several
-rows or not starting at position 0, unpacked lengths that 2 * cp does not divide, accelerate's own CP/SP/TP, per-rank
-token averaging, label smoothing, a custom compute_loss_func, dispatched batches.
+rows or not starting at position 0, unpacked lengths that 2 * cp does not divide, accelerate's
+own CP/SP/TP, per-rank token averaging, label smoothing, a custom compute_loss_func, dispatched batches.
 """
 from __future__ import annotations
 
@@ -264,7 +264,8 @@ class CPTrainerMixin:
         target = sampler if isinstance(sampler, BatchSamplerShard) else dataset
         if not isinstance(target, (BatchSamplerShard, IterableDatasetShard)):
             raise ValueError(f"CPTrainer cannot shard a {type(loader).__name__} over dp ranks: it needs "
-                             "the DataLoader that accelerate prepares (BatchSamplerShard or IterableDatasetShard)")
+                             "the DataLoader that accelerate prepares (BatchSamplerShard or "
+                             "IterableDatasetShard)")
         target.num_processes, target.process_index = self.dp_size, self.dp_rank
         return loader
 

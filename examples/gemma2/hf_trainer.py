@@ -11,7 +11,8 @@ transformers' DataCollatorWithFlattening (each batch one row, documents attend o
 themselves), or with --unpacked one per row, right-padded with labels -100 (no attention mask:
 causal attention never looks at the pads). CPTrainer (cp_softcap.integrations.hf_trainer) gives
 every CP rank of a dp group the same batch and keeps its shard; the logged loss is the loss of
-the whole global batch, as on one process. Needs transformers and accelerate (pip install -e ".[gemma2]" accelerate), no download.
+the whole global batch, as on one process. Needs transformers and accelerate
+(pip install -e ".[gemma2]" accelerate), no download.
 """
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def training_args(output_dir: str, **overrides) -> transformers.TrainingArgument
     kw = dict(output_dir=output_dir, use_cpu=True, per_device_train_batch_size=2,
               per_device_eval_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
               learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-              report_to=[], disable_tqdm=True, ddp_find_unused_parameters=False, seed=0, dataloader_drop_last=True)
+              report_to=[], disable_tqdm=True, ddp_find_unused_parameters=False, seed=0,
+              dataloader_drop_last=True)
     kw.update(overrides)
     return transformers.TrainingArguments(**kw)
 
