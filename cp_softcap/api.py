@@ -131,9 +131,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, 
     """
     groups, cp, rank = resolve_groups(group, comm)
     if comm != "a2a+p2p" and cp == 1:
-        docs = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         return attention(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
-                         backend=backend, **docs)
+                         backend=backend, cu_seqlens=cu_seqlens)
     plan = plan_for(q, k, v, groups, cp, rank, softcap=softcap, causal=causal, window=window,
                     scale=scale, comm=comm, backend=backend, cu_seqlens=cu_seqlens)
     return ALGORITHMS[plan.comm].apply(q, k, v, plan)
