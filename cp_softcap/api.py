@@ -124,7 +124,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, 
     cp_softcap.sharding.shard(x, cp, rank, cu_seqlens=cu_seqlens) gives each rank
     sharding.packed_len(S, cp) / cp tokens (the stream padded at its end). Query i sees key j
     only within one document (and under causal/window in global positions); tokens past
-    T_docs are padding: output 0 and zero gradients. Every comm type serves packed calls.
+    T_docs are padding: output 0 and zero gradients. Every comm type serves packed calls; a
+    batch of B > 1 streams is allowed under CP when all share these boundaries.
     Raises ValueError (TypeError for non-integers) on EVERY rank, naming the rank, when the
     boundaries are not increasing, do not start at 0, end past the stream, differ between
     ranks, or do not match the local shard length.
