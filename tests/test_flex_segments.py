@@ -48,7 +48,8 @@ def _quiet():
 
 
 # float64 on every case; float32 (flex's production dtype family) on two (CPU flex is slow)
-FORWARD_CASES = [(ci, torch.float64) for ci in range(len(SEGMENT_CASES))] + [(0, torch.float32), (3, torch.float32)]
+FORWARD_CASES = ([(ci, torch.float64) for ci in range(len(SEGMENT_CASES))]
+                 + [(0, torch.float32), (3, torch.float32)])
 
 
 @pytest.mark.parametrize("ci,dtype", FORWARD_CASES,

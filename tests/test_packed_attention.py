@@ -103,7 +103,8 @@ def test_stream_calls_rows_never_overlap():
         t = rng.randint(1, 120)
         cuts = sorted(rng.sample(range(1, t + 1), rng.randint(1, min(t, 12))))
         cu = tuple([0] + cuts)
-        window = rng.choice([(None, 0), (None, None), (rng.randint(0, 9), 0), (rng.randint(0, 5), rng.randint(0, 5))])
+        window = rng.choice([(None, 0), (None, None), (rng.randint(0, 9), 0),
+                             (rng.randint(0, 5), rng.randint(0, 5))])
         seen = torch.zeros(t, dtype=torch.int64)
         for c in stream_calls(cu, t, window):
             seen[c.q0:c.q1] += 1

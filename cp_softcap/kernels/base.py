@@ -114,8 +114,8 @@ def segment_ids(segments: Segments, device=None):
     q_seg = torch.repeat_interleave(seg, lens_q)
     k_seg = torch.repeat_interleave(seg, lens_k)
     # row r of segment s sits at key position cu_k[s+1] - (len_q[s] - r)
-    q_end = torch.tensor(cu_k[1:], dtype=torch.int64) - lens_q
-    q_pos = torch.arange(cu_q[-1], dtype=torch.int64) - torch.tensor(cu_q[:-1], dtype=torch.int64)[q_seg] + q_end[q_seg]
+    shift = torch.tensor(cu_k[1:], dtype=torch.int64) - lens_q - torch.tensor(cu_q[:-1], dtype=torch.int64)
+    q_pos = torch.arange(cu_q[-1], dtype=torch.int64) + shift[q_seg]
     k_pos = torch.arange(cu_k[-1], dtype=torch.int64)
     return tuple(t.to(device) for t in (q_seg, q_pos, k_seg, k_pos))
 
