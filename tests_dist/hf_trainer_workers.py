@@ -1,6 +1,7 @@
 """Workers for tests_dist/test_hf_trainer.py: the same HF Trainer fine-tuning of a tiny Gemma2
 (attention softcap 3 saturated by large weights, final softcap 5, window 16 < 32 tokens,
-gradient accumulation 2, gradient clipping, evaluation, checkpoint save and resume) run two ways.
+gradient accumulation 2, gradient clipping, evaluation, checkpoint save and resume, an
+IterableDataset) run two ways.
 
     python tests_dist/hf_trainer_workers.py ref OUT_DIR          # plain Trainer, eager float64, 1 process
     python -m torch.distributed.run --nproc-per-node 4 tests_dist/hf_trainer_workers.py cp OUT_DIR
@@ -118,7 +119,8 @@ def cp_runs(out_dir: str) -> None:
             record(trainer, out_dir, name)
         resumed(out_dir, meshes[2])
         shuffled(out_dir, targs, meshes[2])
-        refusals(out_dir, targs, meshes[2])
+        refused = iterable(out_dir, tmp, meshes[2])
+        refusals(out_dir, targs, meshes[2], refused)
     example.main(["--steps", "2"])           # the example as README runs it (dp 2 x cp 2, ring)
 
 
@@ -161,11 +163,37 @@ def shuffled(out_dir: str, targs, mesh) -> None:
             json.dump(seen, f)
 
 
-def refusals(out_dir: str, targs, mesh) -> None:
+def iterable(out_dir: str, tmp: str, mesh) -> dict:
+    """An IterableDataset (accelerate's IterableDatasetShard) at dp 2 x cp 2 ring, recorded as
+    dp2_cp2_ring_iterable; with dispatch_batches=True it is refused: returns that message."""
+    from cp_softcap.integrations.hf_trainer import CPTrainer
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __init__(self, rows):
+            self.rows = rows
+
+        def __iter__(self):
+            return iter(self.rows)
+
+    train, evaluation = data(mesh.size(0))
+    messages = {}
+    for dispatch in (False, True):
+        targs = args(tmp, PER_DEVICE, accelerator_config={"dispatch_batches": dispatch})
+        trainer = CPTrainer(model=model("cp_softcap"), args=targs, cp_mesh=mesh, train_dataset=Stream(train),
+                            eval_dataset=evaluation)
+        try:
+            trainer.train()
+        except ValueError as e:
+            messages["dispatch_batches"] = str(e)
+            continue
+        record(trainer, out_dir, "dp2_cp2_ring_iterable")
+    return messages
+
+
+def refusals(out_dir: str, targs, mesh, messages: dict) -> None:
     """Trainer-level refusals: each message, on rank 0."""
     from cp_softcap.integrations.hf_trainer import CPTrainer
     train, _ = data(mesh.size(0))
-    messages = {}
     for case, attn, per_rank in (("eager_model", "eager", False), ("per_rank_tokens", "cp_softcap", True)):
         targs.average_tokens_across_devices = not per_rank
         try:
