@@ -31,6 +31,9 @@
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh flexflash
 #                                      # (call 2): bitwise bf16-return test, flex's FA4 (CuTe)
 #                                      #   backend with a softcap score_mod vs flex Triton / fa4
+#   bash scripts/gpu_check.sh packed   # ONE call, carry [".fa2"] (no fa4): flash-attn 2 and flex
+#                                      #   with packed documents (segments), kernels, autocast and
+#                                      #   CP tests on one GPU except the fa4 cases
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh multi
 #                                      # (call 2, on a several-GPU kind): cp_multi with every
 #                                      #   comm (a2a+p2p where the GPU count allows), and window 4095
@@ -168,6 +171,19 @@ if [ "$phase" = flexflash ]; then               # after fa4 is installed
   step "flex through FA4's CuTe backend vs flex Triton vs the fa4 adapter (softcap 50)"
   timeout 200 $PY benchmarks/flex_flash.py $bench_args --models 9B --rep-ms 100 2>&1 | tail -30 || rc=1
   cp $bench_out/flex_flash.json $bench_out/flex_flash.png "$OUT/" 2>/dev/null
+fi
+if [ "$phase" = packed ]; then                  # carry .fa2; fa4 cases skip themselves
+  step "install flash-attn 2 from .fa2/"
+  if ls .fa2/flash_attn-*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-deps --no-index --no-compile .fa2/flash_attn-*.whl 2>&1 | tail -3
+  fi
+  $PY -c "import flash_attn, flash_attn_2_cuda; print('flash-attn', flash_attn.__version__)" 2>&1 || rc=1
+  step "GPU tests: segments (fa2 varlen, flex, torch), kernels, autocast (fa4 cases skip without it)"
+  timeout 170 $PY -m pytest tests/test_gpu_segments.py tests/test_gpu_kernels.py tests/test_gpu_autocast.py \
+      -q -rs -n 6 -p no:cacheprovider 2>&1 | tee "$OUT/pytest_packed_kernels.log" | grep -v "^SKIPPED" | tail -25 || rc=1
+  step "GPU CP tests: packed documents and every comm type, 2 and 4 ranks on one GPU (fa2, flex)"
+  timeout 220 $PY -m pytest tests/test_gpu_packed_cp.py tests/test_gpu_cp.py -q -rs -n 6 -p no:cacheprovider \
+      2>&1 | tee "$OUT/pytest_packed_cp.log" | grep -v "^SKIPPED" | tail -25 || rc=1
 fi
 if [ "$phase" = native ]; then                  # after fa4 is installed
   step "GPU CP tests: 2 and 4 ranks on one GPU (fa4 bf16 dK/dV returns in the ring)"
