@@ -64,7 +64,8 @@ def main(argv=None):
     head = ["partials", "mix", "cp", "window", "ring packed", "ring, joint layout", "ring unpacked (zigzag)",
             "all_gather", "a2a", "a2a+p2p (2)", "auto picks"]
     rows = [head] + [[r["partials"], r["mix"], r["cp"], r["window"], f"{r['ring_mib']:.1f}",
-                      f"{r['ring_joint_mib']:.1f}", f"{r['ring_zigzag_mib']:.1f}", f"{r['all_gather_mib']:.1f}", f"{r['a2a_mib']:.1f}",
+                      f"{r['ring_joint_mib']:.1f}", f"{r['ring_zigzag_mib']:.1f}",
+                      f"{r['all_gather_mib']:.1f}", f"{r['a2a_mib']:.1f}",
                       f"{r['a2a+p2p_mib']:.1f}", r["auto"]] for r in records]
     print(table(rows))
     out = out_dir_for(args.out_dir, args.dry_run)

@@ -223,7 +223,6 @@ BLOCK_KEYS = ("0", "16384")          # one step per block, and the default-like 
 
 
 def _bytes_worker(rank, world):
-    import torch.distributed as dist
     import cp_softcap as cps
     from cases import native_standin
     cu, s, _ = _cases(world)[0]
