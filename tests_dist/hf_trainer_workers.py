@@ -44,7 +44,7 @@ def model(attn: str):
 def data(dp: int, packed: bool = False):
     """Train and eval documents: padded rows, or the same documents unpadded for packing."""
     return (example.text_rows(STEPS * GA * PER_DEVICE * dp, SEQ, packed=packed),
-            example.text_rows(4 * PER_DEVICE, SEQ, seed=1, packed=packed))
+            example.text_rows(3 * PER_DEVICE, SEQ, seed=1, packed=packed))   # dp 2: a partial batch
 
 
 def boundaries_dropped(features):
@@ -66,7 +66,7 @@ def sequential(cls):
 def args(tmp: str, per_device: int, **kw):
     kw = {"per_device_train_batch_size": per_device, "per_device_eval_batch_size": PER_DEVICE,
           "gradient_accumulation_steps": GA, "max_steps": STEPS, "optim": "sgd", "learning_rate": 0.05,
-          "max_grad_norm": 1.0, **kw}
+          "max_grad_norm": 1.0, "dataloader_drop_last": False, **kw}
     return example.training_args(tmp, **kw)
 
 

@@ -21,7 +21,7 @@ What CPTrainer changes, each through a Trainer or accelerate hook (docs/hf_train
   divided by the GLOBAL count; Trainer scales it by the world size, which cancels DDP's average:
   the gradients are summed over cp and averaged over dp, the loss equals the one-process loss.
 - evaluation: loss only (the logits are sharded); each dp group's batch loss is its token mean,
-  as in a one-process evaluation with the same per-device batch size.
+  as in a one-process evaluation with the same per-device batch size, gathered over dp only.
 
 Refused with a message naming the fix: cp that does not divide the world, a model whose attention
 does not route through cp_softcap, a padding attention mask, packed documents spread over several
@@ -272,7 +272,25 @@ class CPTrainerMixin:
     def get_total_train_batch_size(self, args) -> int:
         return self._train_batch_size * args.gradient_accumulation_steps * self.dp_size
 
-    # ---- evaluation: the dp group's token-mean loss on every CP rank
+    # ---- evaluation: the dp group's token-mean loss on every CP rank, gathered over dp only
+    def evaluation_loop(self, *args, **kwargs):
+        # Trainer resets gather_function after every evaluation loop: set it for each one
+        self.gather_function = self._gather_over_dp
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _gather_over_dp(self, losses):
+        """The evaluation loop's gather of per-sample losses: over the dp ranks of this CP rank
+        (its CP peers hold the same losses), then accelerate's trim of the last, partly repeated
+        batch to the real samples, which counts one entry per sample and dp rank."""
+        if self.dp_size > 1:
+            parts = [torch.empty_like(losses) for _ in range(self.dp_size)]
+            dist.all_gather(parts, losses.contiguous(), group=self.cp_mesh.get_group("dp"))
+            losses = torch.cat(parts)
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            losses = losses[:state.remainder]
+        return losses
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
         if "shift_labels" not in inputs:
