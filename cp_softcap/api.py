@@ -80,7 +80,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: Opt
     (float32; -inf for rows that see no key), differentiable.
 
     cu_seqlens (packed documents): boundaries [0, e1, ..., T_docs] (1-D integer tensor or list of
-    ints) of the documents packed into ONE stream, q/k/v [1, T, H, D]. Query i sees key j iff
+    ints) of the documents packed into one stream, q/k/v [1, T, H, D] (a batch of B streams
+    sharing these boundaries works too; for different ones join the rows into one stream,
+    listing every boundary). Query i sees key j iff
     both lie in the same document and the causal/window rule holds (positions within the stream;
     a window therefore never crosses a document). Tokens past T_docs are padding: out 0, LSE
     -inf, zero gradients. One document over the whole stream is the unpacked call.

@@ -1,7 +1,7 @@
 """Packed documents on one device: the engine of `cps.attention(q, k, v, cu_seqlens=cu)`.
 
-q/k/v are one stream [1, T, H, D] holding documents [cu[d], cu[d+1]); tokens past cu[-1] are
-padding. doc_geometry.stream_calls turns the boundaries into kernel calls (a run of short
+q/k/v are streams [B, T, H, D] (usually B = 1) that all hold documents [cu[d], cu[d+1]); tokens
+past cu[-1] are padding. doc_geometry.stream_calls turns the boundaries into kernel calls (a run of short
 documents becomes ONE call with segments=, a document longer than the rest its own call); the
 calls' rows are disjoint, so each call writes its rows of (out, lse) and nothing is merged.
 Padding rows are in no call: out 0, LSE -inf, zero gradients. Backward runs the same calls with
@@ -17,16 +17,15 @@ from .cp.calls import backward_into, write_calls
 from .cp.grad_accum import GradAccumulator
 from .cp.guard import autocast_off
 from .doc_geometry import stream_calls
-from .documents import check_cu_seqlens
+from .documents import PackedLayout, check_cu_seqlens
 from .spec import grad_dtype
 
 
 def check_packed(q: torch.Tensor, k: torch.Tensor, cu_seqlens) -> Tuple[int, ...]:
-    """The validated boundaries of a packed single-device call (ValueError naming the fix)."""
-    if q.shape[0] != 1:
-        raise ValueError(f"cu_seqlens= (packed documents) takes ONE packed stream, q/k/v of shape "
-                         f"[1, T, H, D]; got batch size {q.shape[0]}. Concatenate the batch's "
-                         "documents into one stream and list every boundary in cu_seqlens")
+    """The validated boundaries of a packed single-device call (ValueError naming the fix). A
+    PackedLayout (what CP calls may pass) stands for its boundaries: one device has no layout."""
+    if isinstance(cu_seqlens, PackedLayout):
+        cu_seqlens = cu_seqlens.cu_seqlens
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"cu_seqlens= (packed documents) needs q and k/v over the same stream: "
                          f"q has {q.shape[1]} tokens, k/v have {k.shape[1]}")

@@ -104,20 +104,23 @@ F32_LSE = {"lse": 1e-6, "dq": 1e-5, "dk": 1e-5, "dv": 1e-5}
 @pytest.mark.parametrize("ci", range(len(SEGMENT_CASES)), ids=SEGMENT_IDS)
 def test_fa2_varlen_with_stand_in(ci, family):
     cu_q, cu_k, window, _ = SEGMENT_CASES[ci]
+    # batch 2 on odd cases: the rows are joined into one varlen stream, segments repeated
     check_segmented(FA2Kernel(module=fake_fa2_varlen(family)), (cu_q, cu_k), window,
-                    softcap=CAPS[ci % 4], dtype=torch.float64, hq=4, hkv=1 + ci % 2, tols=F32_LSE)
+                    softcap=CAPS[ci % 4], dtype=torch.float64, hq=4, hkv=1 + ci % 2, b=1 + ci % 2,
+                    tols=F32_LSE)
 
 
-def test_fa2_varlen_needs_batch_one_and_the_functions():
+def test_fa2_batch_rows_joined_and_missing_varlen_functions():
     k = FA2Kernel(module=fake_fa2_varlen("split"))
-    q, kk, v, _, _ = inputs(((0, 4, 10), (0, 4, 10)), 2, 2, 16, torch.float64, None, b=2)
-    with pytest.raises(ValueError, match="batch size 1"):
-        k.forward(q, kk, v, scale=0.25, softcap=None, window=(None, 0), segments=((0, 4, 10), (0, 4, 10)))
+    q, kk, v, _, _ = inputs(((0, 4, 10), (0, 3, 12)), 2, 2, 16, torch.float64, None, b=3)
+    cu_q, cu_k, max_q, max_k = k._packed(((0, 4, 10), (0, 3, 12)), q, kk)
+    assert cu_q.tolist() == [0, 4, 10, 14, 20, 24, 30] and cu_k.tolist() == [0, 3, 12, 15, 24, 27, 36]
+    assert (max_q, max_k) == (6, 9)
     old = FA2Kernel(module=_fake_fa2("split"))                   # no varlen functions
     assert "varlen" in varlen_reason(old._mod, "split")
     with pytest.raises(RuntimeError, match="varlen"):
         old.forward(q[:1], kk[:1], v[:1], scale=0.25, softcap=None, window=(None, 0),
-                    segments=((0, 4, 10), (0, 4, 10)))
+                    segments=((0, 4, 10), (0, 3, 12)))
 
 
 def test_fa2_one_segment_takes_the_plain_path():

@@ -96,6 +96,20 @@ def test_cp_attention_without_group_takes_the_packed_path():
     assert torch.equal(a, b)
 
 
+def test_batch_of_streams_and_a_layout_as_boundaries():
+    """B streams sharing the boundaries equal each stream alone; a PackedLayout (what CP code
+    may pass through cp_attention) stands for its boundaries."""
+    from cp_softcap.documents import packed_layout
+    cu = [0, 1, 9, 30, 44]
+    q, k, v, _ = saturating_qkv(3, 48, 48, 4, 2, 16, torch.float64, 5.0)
+    both = cps.attention(q, k, v, softcap=5.0, cu_seqlens=cu, backend=SMALL)
+    for b in range(3):
+        one = cps.attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], softcap=5.0, cu_seqlens=cu, backend=SMALL)
+        assert torch.equal(both[b:b + 1], one)
+    layout = packed_layout(cu, 48, 2)
+    assert torch.equal(cps.attention(q, k, v, softcap=5.0, cu_seqlens=layout, backend=SMALL), both)
+
+
 def test_stream_calls_rows_never_overlap():
     """The single-device path writes each call's rows without merging: rows must be disjoint."""
     rng = random.Random(0)
@@ -112,7 +126,6 @@ def test_stream_calls_rows_never_overlap():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(batch=2), "batch size 2"),
     (dict(k_len=20), "same stream"),
     (dict(cu=[1, 10]), "start at 0"),
     (dict(cu=[0, 10, 40]), "40"),

@@ -31,8 +31,8 @@ DocCall.cu_k of cp_softcap.doc_geometry: `Segments(call.cu_q, call.cu_k)`). cu_q
 and cu_k from 0 to Sk (every row and key belongs to a segment); a segment may be empty on either
 side. A row sees only keys of its own segment, under `window` bottom-right aligned PER SEGMENT
 (flash-attn varlen semantics with cu_seqlens_q = cu_q, cu_seqlens_k = cu_k). A row that sees no
-key: out 0, LSE -inf, zero gradients, never NaN. The same segments apply to every batch row;
-kernels whose varlen path packs the batch (flash-attn) need B == 1 and say so. One segment
+key: out 0, LSE -inf, zero gradients, never NaN. The same segments apply to every batch row
+(a varlen kernel joins the rows into one token stream, the segments repeated per row). One segment
 (cu_q = (0, Sq), cu_k = (0, Sk)) is exactly the unsegmented call. Only kernels with
 `caps.segments` receive segments (the selector fails closed on `spec.documents`); the others
 raise ValueError for a segments value other than None. Kernel subclasses written without the

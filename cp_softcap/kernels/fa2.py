@@ -21,10 +21,11 @@ Any cap <= 0 is "off" in FA2; we pass 0.0 for off.
 
 Packed documents (segments=, more than one segment): `_flash_attn_varlen_forward/backward`, in
 the same two families (window_size_left/right or window_size; the 2.6 varlen forward also takes
-block_table), with q/k/v as one [total, H, D] stream (so B must be 1), cu_seqlens_q/k = the
-segments as int32 device tensors (cached per geometry), max_seqlen_q/k the longest segment. The
-varlen LSE is [H, total_q] -> [1, H, Sq] for the contract and back; +inf/-inf as above. The
-window is applied per segment, bottom-right aligned: the contract's segment rule.
+block_table). The B rows (all sharing the segments) become one [B * S, H, D] token stream whose
+cu_seqlens_q/k repeat the segments at offsets b * Sq / b * Sk (int32 device tensors, cached per
+geometry); max_seqlen_q/k is the longest segment. The varlen LSE [H, B * Sq] becomes the
+contract's [B, H, Sq] and back; +inf/-inf as above. The window is applied per segment,
+bottom-right aligned: the contract's segment rule.
 """
 from __future__ import annotations
 
@@ -75,12 +76,17 @@ def varlen_reason(mod, family: str) -> Optional[str]:
     return None
 
 
-def varlen_lse(lse: torch.Tensor, sq: int) -> torch.Tensor:
-    """flash-attn varlen LSE [H, total_q] (+inf for empty rows) -> contract [1, H, Sq]."""
-    if lse.dim() != 2 or lse.shape[1] != sq:
+def varlen_lse(lse: torch.Tensor, b: int, sq: int) -> torch.Tensor:
+    """flash-attn varlen LSE [H, b * sq] (+inf for empty rows) -> contract [b, H, sq]."""
+    if lse.dim() != 2 or lse.shape[1] != b * sq:
         raise RuntimeError(f"flash-attn varlen LSE has shape {tuple(lse.shape)}, expected "
-                           f"[heads, {sq}] (flash-attn >= 2.6.2 returns it unpadded); {INSTALL_HINT}")
-    return fa2_lse(lse).unsqueeze(0)
+                           f"[heads, {b * sq}] (flash-attn >= 2.6.2 returns it unpadded); {INSTALL_HINT}")
+    return fa2_lse(lse.view(lse.shape[0], b, sq).transpose(0, 1))
+
+
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    """[B, S, H, D] -> [B * S, H, D] (a view when the rows are adjacent in memory)."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
 def backward_has_softcap(bwd) -> bool:
@@ -97,7 +103,7 @@ class FA2Kernel(Kernel):
         max_head_dim=256, head_dim_multiple=8, cp=True, dlse=False, deterministic_backward=True,
         grads_in_input_dtype=True, segments=True,
         notes=("flash-attn >= 2.6.2 (softcap backward); LSE +inf for empty rows normalised",
-               "packed documents through the varlen functions, batch size 1"))
+               "packed documents through the varlen functions (batch rows joined)"))
 
     def __init__(self, module=None):
         self._mod, self._family, self._reason = None, None, None
@@ -147,22 +153,21 @@ class FA2Kernel(Kernel):
         return {"window_size": (left, right)}
 
     def _packed(self, segments, q, k):
-        """(cu_q, cu_k, max_q, max_k) for a call with several segments, else None."""
+        """(cu_q, cu_k, max_q, max_k) over the B rows joined, for a call with several
+        segments; None otherwise."""
         segs = check_segments(segments, q.shape[1], k.shape[1], "fa2")
         if segs is None or segs.single():
             return None
-        if q.shape[0] != 1:
-            raise ValueError(f"fa2 packed-document calls need batch size 1 (flash-attn's varlen "
-                             f"functions pack the batch into one token stream); got batch size "
-                             f"{q.shape[0]}: pass one packed stream [1, T, H, D]")
         reason = varlen_reason(self._mod, self._family)
         if reason:
             raise RuntimeError(reason)
-        key = (segs, str(q.device))
+        key = (segs, q.shape[0], str(q.device))
         if key not in self._cu:
             if len(self._cu) >= 256:
                 self._cu.pop(next(iter(self._cu)))
-            cu = [torch.tensor(c, dtype=torch.int32, device=q.device) for c in segs]
+            rows = range(q.shape[0])
+            cu = [torch.tensor([b * c[-1] + x for b in rows for x in c[:-1]] + [len(rows) * c[-1]],
+                               dtype=torch.int32, device=q.device) for c in segs]
             self._cu[key] = (cu[0], cu[1], max(b - a for a, b in zip(segs.cu_q, segs.cu_q[1:])),
                              max(b - a for a, b in zip(segs.cu_k, segs.cu_k[1:])))
         return self._cu[key]
@@ -170,17 +175,19 @@ class FA2Kernel(Kernel):
     def _varlen_forward(self, q, k, v, packed, scale, cap, window):
         cu_q, cu_k, max_q, max_k = packed
         fwd = self._mod._flash_attn_varlen_forward
+        b, sq = q.shape[:2]
+        qs, ks, vs = (_tokens(t) for t in (q, k, v))
         if self._family == "split":      # custom ops since 2.7: positional, documented order
             left, right = fa_window(window)
-            res = fwd(q[0], k[0], v[0], cu_q, cu_k, max_q, max_k, 0.0, scale, False, left, right,
-                      cap, None, False)
+            res = fwd(qs, ks, vs, cu_q, cu_k, max_q, max_k, 0.0, scale, False, left, right, cap,
+                      None, False)
         else:
             extra = {} if missing_params(fwd, ("block_table",)) else {"block_table": None}
-            res = fwd(q[0], k[0], v[0], cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale,
+            res = fwd(qs, ks, vs, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale,
                       causal=False, softcap=cap, alibi_slopes=None, return_softmax=False,
                       **self._win_kwargs(window), **extra)
         out, lse = (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
-        return out.unsqueeze(0), varlen_lse(lse, q.shape[1])
+        return out.view(b, sq, *out.shape[1:]), varlen_lse(lse, b, sq)
 
     def forward(self, q, k, v, *, scale: float, softcap: Optional[float], window: Window,
                 segments=None):
@@ -241,17 +248,18 @@ class FA2Kernel(Kernel):
         return dq, dk, dv
 
     def _varlen_backward(self, dout, q, k, v, out, lse_in, packed, scale, softcap, window, det):
-        """Packed backward: lse_in [1, H, Sq] (+inf for empty rows) goes in as [H, total_q];
-        gradients are written into [total, H, D] buffers and returned as [1, S, H, D]."""
+        """Packed backward: lse_in [B, H, Sq] (+inf for empty rows) goes in as [H, B * Sq];
+        gradients are written into [B * S, H, D] buffers and returned as [B, S, H, D]."""
         cu_q, cu_k, max_q, max_k = packed
-        dq, dk, dv = (torch.empty_like(t[0]) for t in (q, k, v))
+        qs, ks, vs = (_tokens(t) for t in (q, k, v))
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (qs, ks, vs))
         bwd = self._mod._flash_attn_varlen_backward
-        args = (dout[0], q[0], k[0], v[0], out[0], lse_in[0].contiguous(), dq, dk, dv, cu_q, cu_k,
-                max_q, max_k)
+        lse_t = lse_in.transpose(0, 1).reshape(lse_in.shape[1], -1).contiguous()
+        args = (_tokens(dout), qs, ks, vs, _tokens(out), lse_t, dq, dk, dv, cu_q, cu_k, max_q, max_k)
         if self._family == "split":
             left, right = fa_window(window)
             bwd(*args, 0.0, scale, False, left, right, softcap_value(softcap), None, det, None)
         else:
             bwd(*args, dropout_p=0.0, softmax_scale=scale, causal=False, softcap=softcap_value(softcap),
                 alibi_slopes=None, deterministic=det, rng_state=None, **self._win_kwargs(window))
-        return dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
+        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
