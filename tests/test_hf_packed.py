@@ -80,7 +80,7 @@ def test_position_id_resets_give_per_document_attention(monkeypatch):
     docs = documents()
     out, ref = check_packed(ours, eager, docs)
     # negative control: the same positions with the boundaries ignored
-    monkeypatch.setattr(hf_int, "_boundaries", lambda *a: None)
+    monkeypatch.setattr(hf_int, "_boundaries", lambda *a: (None, False))
     pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
     with torch.no_grad():
         mixed = ours(input_ids=torch.cat(docs)[None], position_ids=pos).logits
@@ -113,7 +113,8 @@ def test_flattening_collator_kwargs(monkeypatch):
 
 
 def test_cu_seqlens_kwarg_and_rows_joined(monkeypatch):
-    """cu_seqlens= wins over position_ids; two batch rows with resets are joined into one stream."""
+    """cu_seqlens= wins over position_ids and holds for every batch row (as under CP); two rows
+    with resets are joined into one stream."""
     eager, ours = models()
     docs = documents()
     seen = spy(monkeypatch)
@@ -124,8 +125,12 @@ def test_cu_seqlens_kwarg_and_rows_joined(monkeypatch):
     with torch.no_grad():
         one = ours(input_ids=ids, position_ids=pos).logits
         two = ours(input_ids=ids.expand(2, -1), position_ids=pos.expand(2, -1)).logits
+        shared = ours(input_ids=ids.expand(2, -1), cu_seqlens=[0, 1, 7, 30, 60],
+                      position_ids=pos.expand(2, -1)).logits
     torch.testing.assert_close(two, one.expand(2, -1, -1), rtol=1e-12, atol=1e-12)
-    assert seen[-1] == [0, 1, 7, 30, 60, 61, 67, 90, 120]
+    assert [0, 1, 7, 30, 60, 61, 67, 90, 120] in seen           # resets: the rows joined
+    torch.testing.assert_close(shared, two, rtol=1e-12, atol=1e-12)
+    assert seen[-1] == [0, 1, 7, 30, 60]                        # cu_seqlens=: every row's boundaries
 
 
 def test_mismatched_collator_kwargs_are_refused():

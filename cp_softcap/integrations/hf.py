@@ -23,10 +23,11 @@ HF's own shift of `labels` alone would cross shard borders.
 
 Packed batches (padding-free training: transformers' DataCollatorWithFlattening, TRL's
 padding_free): on one device the document boundaries come from, in this order, a `cu_seqlens=`
-model kwarg, the `cu_seq_lens_q`/`cu_seq_lens_k` kwargs HF forwards from such collators, or the
+model kwarg (the boundaries of every batch row, as under CP), the `cu_seq_lens_q`/`cu_seq_lens_k`
+kwargs HF forwards from such collators (over the batch rows joined into one stream), or the
 resets of `position_ids` (a new document wherever the position does not grow by 1, and at each
-batch row). The batch rows are joined into one stream and each document attends only to itself
-(Gemma2's sliding window stays inside its document); nothing is padded per document.
+batch row; the rows joined). Each document attends only to itself (Gemma2's sliding window stays
+inside its document); nothing is padded per document.
 Under CP every rank holds only its shard, whose position resets cannot give the GLOBAL
 boundaries: pass them yourself, `model(..., cu_seqlens=cu_global)` (identical on every rank; the
 shards and positions from cps.sharding.shard / positions(..., cu_seqlens=cu_global)); they go to
@@ -122,11 +123,13 @@ def _check_positions(position_ids: Optional[torch.Tensor], sq: int, cp: int, ran
     _CHECKED_POSITIONS["last"] = (weakref.ref(position_ids), key)
 
 
-def _boundaries(b: int, sq: int, sk: int, position_ids, kwargs) -> Optional[torch.Tensor]:
-    """One device: document boundaries of the b rows joined into one stream of b * sq tokens,
-    or None for an unpacked batch. See the module docstring for where they come from."""
-    cu = kwargs.get("cu_seqlens")
+def _boundaries(b: int, sq: int, sk: int, position_ids, kwargs):
+    """One device: (boundaries, joined) where joined says they cover the b rows joined into one
+    stream of b * sq tokens (else every row has them); (None, False) for an unpacked batch. See
+    the module docstring for where they come from."""
+    cu, joined = kwargs.get("cu_seqlens"), False
     if cu is None and kwargs.get("cu_seq_lens_q") is not None:
+        joined = True
         cu, cu_k = kwargs["cu_seq_lens_q"], kwargs.get("cu_seq_lens_k")
         if cu_k is not None and not torch.equal(torch.as_tensor(cu).cpu(), torch.as_tensor(cu_k).cpu()):
             raise ValueError("attn_implementation='cp_softcap' got cu_seq_lens_q != cu_seq_lens_k: "
@@ -135,18 +138,18 @@ def _boundaries(b: int, sq: int, sk: int, position_ids, kwargs) -> Optional[torc
         if sq != sk:
             raise ValueError(f"packed documents (cu_seqlens) with query length {sq} != key length "
                              f"{sk}: generation with a KV cache takes unpacked sequences")
-        return cu
+        return cu, joined
     if position_ids is None or sq != sk or sq < 2:
-        return None
+        return None, False
     pos = position_ids.reshape(-1, position_ids.shape[-1])
     if pos.shape[-1] != sq:
         raise ValueError(f"position_ids {tuple(position_ids.shape)} do not match the query length {sq}")
     starts = torch.ones_like(pos, dtype=torch.bool)
     starts[:, 1:] = pos[:, 1:] - pos[:, :-1] != 1
     if not bool(starts[:, 1:].any()):
-        return None                    # no reset in any row: an ordinary batch
+        return None, False             # no reset in any row: an ordinary batch
     starts = starts.expand(b, sq).reshape(-1)
-    return torch.cat([starts.nonzero().flatten(), torch.tensor([b * sq], device=starts.device)])
+    return torch.cat([starts.nonzero().flatten(), torch.tensor([b * sq], device=starts.device)]), True
 
 
 def _mask_function(*args, attention_mask=None, use_vmap: bool = False, **kwargs):
@@ -184,7 +187,8 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     if cp > 1 and sq != sk:
         raise ValueError(f"query length {sq} != key length {sk} under cp={cp}: generation with a KV "
                          "cache is not context parallel; call use_cp_group(None) for generation.")
-    cu = _boundaries(q.shape[0], sq, sk, position_ids, kwargs) if cp == 1 else kwargs.get("cu_seqlens")
+    cu, joined = (_boundaries(q.shape[0], sq, sk, position_ids, kwargs) if cp == 1
+                  else (kwargs.get("cu_seqlens"), False))
     if cp > 1 and cu is None and kwargs.get("cu_seq_lens_q") is not None:
         raise ValueError("attn_implementation='cp_softcap' under CP got cu_seq_lens_q (boundaries "
                          "of this rank's tokens); packed documents under CP need the GLOBAL "
@@ -201,9 +205,10 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         window = (sliding_window - 1, 0 if causal else sliding_window - 1)
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
-    if cu is not None and cp == 1:     # the rows joined into one packed stream
+    if cu is not None and cp == 1:
         b = q.shape[0]
-        q, k, v = (t.reshape(1, b * t.shape[1], *t.shape[2:]) for t in (q, k, v))
+        if joined:                     # the rows joined into one packed stream
+            q, k, v = (t.reshape(1, b * t.shape[1], *t.shape[2:]) for t in (q, k, v))
         out = attention(q, k, v, softcap=softcap, causal=causal, window=window, scale=scaling,
                         backend=_CONFIG["backend"], cu_seqlens=cu)
         return out.reshape(b, sq, *out.shape[2:]), None
