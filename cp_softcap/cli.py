@@ -23,7 +23,8 @@ def _window_side(text: str):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cp_softcap", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m cp_softcap", description=("Print which kernel serves an attention call and why every other kernel "
+                                             "was rejected (on this machine)."),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--softcap", type=float, default=None, help="tanh cap; 0 or absent = off")
     p.add_argument("--head-dim", type=int, default=128, help="head dim of q/k and v")
