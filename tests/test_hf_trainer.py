@@ -1,6 +1,6 @@
 """cp_softcap.integrations.hf_trainer in one process: the collator's shards (labels shifted on the
 full sequence, global positions) and each refusal with its message. The multi-rank Trainer runs
-are in tests_dist/test_hf_trainer.py."""
+are in tests_dist/test_hf_trainer_dist.py."""
 import pytest
 import torch
 

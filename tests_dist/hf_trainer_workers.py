@@ -1,4 +1,4 @@
-"""Workers for tests_dist/test_hf_trainer.py: the same HF Trainer fine-tuning of a tiny Gemma2
+"""Workers for tests_dist/test_hf_trainer_dist.py: the same HF Trainer fine-tuning of a tiny Gemma2
 (attention softcap 3 saturated by large weights, final softcap 5, window 16 < 32 tokens,
 gradient accumulation 2, gradient clipping, evaluation, checkpoint save and resume, an
 IterableDataset) run two ways.

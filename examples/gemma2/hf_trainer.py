@@ -17,7 +17,6 @@ the whole global batch, as on one process. Needs transformers and accelerate
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 
 import torch
@@ -93,11 +92,10 @@ def main(argv=None) -> None:
         metrics = trainer.evaluate()
     if args.process_index == 0:
         losses = [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h]
-        print(f"dp {mesh.size(0)} x cp {mesh.size(1)} ({a.comm}, {'unpacked' if a.unpacked else 'packed'}): "
-              f"train losses {losses}, "
+        layout = "unpacked" if a.unpacked else "packed"
+        print(f"dp {mesh.size(0)} x cp {mesh.size(1)} ({a.comm}, {layout}): train losses {losses}, "
               f"eval loss {metrics['eval_loss']:.4f}", flush=True)
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
