@@ -160,7 +160,7 @@ def resolve_groups(group, comm: str) -> Tuple[tuple, int, int]:
 def check_group(group, comm: str) -> None:
     """Raise TypeError/ValueError unless `group` is something a CP group can be: None, a
     ProcessGroup, a DeviceMesh, or for comm='a2a+p2p' a pair of ProcessGroups."""
-    if group is None or _is_mesh(group) or _is_group(group):
+    if group is None or _is_mesh(group) or _is_group(group) or _non_member(group):
         return
     if isinstance(group, (tuple, list)):
         if group and all(isinstance(r, int) and not isinstance(r, bool) for r in group):
@@ -182,6 +182,12 @@ def check_group(group, comm: str) -> None:
             if isinstance(group, (int, float)) and not isinstance(group, bool) else "")
     raise TypeError(f"group={group!r} ({type(group).__name__}) is not a process group: pass a "
                     "torch.distributed ProcessGroup, a DeviceMesh, or None for one device" + hint)
+
+
+def _non_member(group) -> bool:
+    """What dist.new_group returns on a rank outside the group (an int): _check_member says so."""
+    return (dist.is_available() and isinstance(group, int)
+            and group == dist.GroupMember.NON_GROUP_MEMBER)
 
 
 def _is_group(group) -> bool:
