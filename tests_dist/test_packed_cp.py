@@ -120,6 +120,11 @@ def _one_document(comm, group, cp, rank):
     return all(torch.equal(a, b) for a, b in pairs), max((a - b).abs().max().item() for a, b in pairs)
 
 
+# At cp 4 the schemes whose geometry does not change with cp (one gather, one all-to-all) run
+# two cases (GQA causal; MQA two-sided window, KV heads replicated by a2a); every case at cp 2.
+LIGHT = {"all_gather": (0, 2), "a2a": (0, 2), "auto": (0, 2)}
+
+
 def _worker(rank, world):
     import cp_softcap as cps
     hybrid = cps.make_hybrid_groups(None, 2) if world == 4 else None
@@ -129,6 +134,8 @@ def _worker(rank, world):
             continue
         group = _group(comm, hybrid)
         for i, (cu, s, opts) in enumerate(_cases(world)):
+            if world == 4 and i not in LIGHT.get(comm, (i,)):
+                continue
             report[(comm, i)] = _check_case(i, comm, group, world, rank, cu, s, opts)
         report[(comm, "one document")] = _one_document(comm, group, world, rank)
     return report
@@ -163,6 +170,7 @@ BAD = [
     ("past the stream", [0, 30, 10_000]),
     ("float values", torch.tensor([0.0, 30.0, 40.0])),
     ("valid but different", [0, 31, 40]),
+    ("missing on one rank", None),
 ]
 
 
