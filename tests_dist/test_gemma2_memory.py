@@ -20,12 +20,12 @@ CASES = [["--ac", "none"], ["--ac", "none", "--comm", "a2a"],
           "--loss-chunk", "128"]]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_plan_within_15_percent_of_measured_peak(tmp_path):
     out = str(tmp_path / "m.jsonl")
     for case in CASES:
         L.run(2, MEMCHECK, ["--seq-len", "1024", "--batch-size", "4", "--no-progress", *case,
-                            "--json", out], 70, f"memcheck {' '.join(case)}")
+                            "--json", out], 140, f"memcheck {' '.join(case)}")
     rows = [json.loads(line) for line in open(out)]
     assert len(rows) == len(CASES)
     for row in rows:
