@@ -54,7 +54,7 @@ def run_case(kernel, b, sq, sk, hq, hkv, d, dtype, softcap, window, dlse=False):
     g_lse = torch.randn_like(lse) if dlse else None
     grads = kernel.backward(dout, q, k, v, out, lse, scale=scale, softcap=softcap, window=window,
                             dlse=g_lse)
-    assert all(g.dtype == torch.float32 for g in grads)
+    assert all(g.dtype == kernel.partial_dtype(dtype) for g in grads), [g.dtype for g in grads]
     errs = check_result(out, lse, grads, q, k, v, dout, dlse=g_lse, softcap=softcap,
                         window=window, scale=scale, label=f"{kernel.name} {sq}x{sk} {window}")
     if softcap:
