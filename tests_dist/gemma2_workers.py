@@ -3,6 +3,7 @@
     python -m torch.distributed.run --nproc-per-node 4 tests_dist/gemma2_workers.py recipe OUT.json
     python -m torch.distributed.run --nproc-per-node 4 tests_dist/gemma2_workers.py hf OUT.json
     python -m torch.distributed.run --nproc-per-node 4 tests_dist/gemma2_workers.py ac OUT.json
+    python -m torch.distributed.run --nproc-per-node 2 tests_dist/gemma2_workers.py packed OUT.json
 
 Each rank compares its CP result against the full model run on one process (computed locally on
 every rank from the same seed) and rank 0 writes the worst relative errors to OUT.json.
@@ -164,6 +165,53 @@ def ac(out_path: str) -> None:
             json.dump(errs, f, indent=1)
 
 
+def packed(out_path: str) -> None:
+    """--pack's training step (step.packed_loss_and_grads on data.get_packed_batch) at cp 2 for
+    ring and a2a, vs the full model on one process run ONE DOCUMENT AT A TIME (positions from 0,
+    the sum of per-document losses over the global valid count): loss and every gradient. The
+    row holds documents shorter and longer than the sliding window (16), one with a single
+    label, one with none (bos only), then padding. Control: the boundaries dropped (one document
+    [0, T_docs]) must change the loss."""
+    from gemma2 import parallel
+    from gemma2.config import get_config
+    from gemma2.data import get_packed_batch
+    from gemma2.model import Gemma2
+    from gemma2.step import packed_loss_and_grads
+
+    cfg = get_config("tiny", num_hidden_layers=2, sliding_window=16, attn_logit_softcapping=5.0)
+    torch.manual_seed(0)
+    ref = Gemma2(cfg)
+    randomize(ref)
+    docs = [torch.randint(3, cfg.vocab_size, (n,)) for n in (40, 1, 9, 0, 25)]
+    inp, lab, cu = get_packed_batch(docs, step=0, dp_rank=0, seq_len=96, seed=0)
+    assert cu[-1] < 96 and len(cu) >= 4, cu              # several documents, then padding
+    assert all(lab[0, e - 1] == -100 for e in cu[1:]) and (lab[0, cu[-1]:] == -100).all()
+    n_valid = (lab != -100).sum()
+    ref_loss = sum(ref(inp[:, a:b], labels=lab[:, a:b]) for a, b in zip(cu, cu[1:])) / n_valid
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    d = parallel.make_dist(dist.get_world_size(), torch.device("cpu"))
+    errs = {"documents": float(len(cu) - 1)}
+    for comm in ("ring", "a2a"):
+        model = Gemma2(cfg, d.cp_group, comm=comm)
+        model.load_state_dict(ref.state_dict())
+        loss = packed_loss_and_grads(model, inp, lab, cu, d)
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        if not torch.isfinite(loss) or any(not torch.isfinite(g).all() for g in grads.values()):
+            raise AssertionError(f"pack {comm}: non-finite loss or gradients on rank {d.rank}")
+        errs[f"pack cp{d.cp} {comm} loss"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+        errs[f"pack cp{d.cp} {comm} grads"] = max(rel(grads[n], ref_grads[n]) for n in grads)
+    model = Gemma2(cfg, d.cp_group)
+    model.load_state_dict(ref.state_dict())
+    neg = packed_loss_and_grads(model, inp, lab, [0, cu[-1]], d)
+    errs["control: boundaries dropped, loss"] = -abs(neg.item() - ref_loss.item()) / abs(ref_loss.item())
+    errs = worst_over_ranks(errs)    # the control is negated: its worst is the smallest change
+    errs["control: boundaries dropped, loss"] *= -1
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(errs, f, indent=1)
+
+
 def hf(out_path: str) -> None:
     """HF Gemma2ForCausalLM with attn_implementation="cp_softcap" under CP 2 and 4 (ring), and
     CP 4 with use_cp_group(..., comm="a2a") and comm="a2a+p2p" (make_hybrid_groups, groups of 2),
@@ -226,6 +274,6 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     try:
-        {"recipe": recipe, "hf": hf, "ac": ac}[sys.argv[1]](*sys.argv[2:])
+        {"recipe": recipe, "hf": hf, "ac": ac, "packed": packed}[sys.argv[1]](*sys.argv[2:])
     finally:
         dist.destroy_process_group()

@@ -55,6 +55,46 @@ def test_activation_checkpointing_is_bitwise_under_cp(tmp_path):
     assert not any(errs.values()), f"AC changed the result: {errs}"
 
 
+@pytest.mark.timeout(150)
+def test_packed_training_step_equals_one_document_at_a_time(tmp_path):
+    """train.py --pack's step at cp 2 (ring, a2a; world 2) equals the single-process loss and
+    gradients computed one document at a time; dropping the boundaries changes the loss."""
+    out = tmp_path / "packed.json"
+    L.run(2, L.WORKERS, ["packed", str(out)], timeout=120, what="gemma2 packed workers (world 2)")
+    errs = json.loads(out.read_text())
+    print(json.dumps(errs, indent=1))
+    control = errs.pop("control: boundaries dropped, loss")
+    assert errs.pop("documents") == 5
+    assert set(errs) == {f"pack cp2 {c} {w}" for c in ("ring", "a2a") for w in ("loss", "grads")}
+    bad = {k: v for k, v in errs.items() if not v <= TOL}
+    assert not bad, f"relative errors above {TOL}: {bad}"
+    assert control > 100 * TOL, f"dropping the document boundaries changed the loss by only {control:.2e}"
+
+
+def test_pack_data_and_flags():
+    """--pack's rows from the built-in corpus (documents at blank lines): bos at every document
+    start, the last token of each document and the padding tail unlabelled, labels the next token
+    inside a document; --pack with --batch-size > 1 is refused before anything is built."""
+    sys.path.insert(0, os.path.join(os.path.dirname(L.TRAIN), os.pardir))
+    from gemma2.data import get_packed_batch, load_documents
+    from gemma2.flags import parse
+
+    docs = load_documents()
+    assert len(docs) > 100
+    for step in range(3):
+        inp, lab, cu = get_packed_batch(docs, step=step, dp_rank=0, seq_len=512, seed=0)
+        assert cu[0] == 0 and cu[-1] <= 512 and len(cu) >= 2
+        for a, b in zip(cu, cu[1:]):
+            assert inp[0, a] == 2 and lab[0, b - 1] == -100
+            assert (lab[0, a:b - 1] == inp[0, a + 1:b]).all()
+        assert (lab[0, cu[-1]:] == -100).all() and (inp[0, cu[-1]:] == 0).all()
+    args = parse(["--pack", "--batch-size", "1", "--cp", "1"])[0]
+    assert args.pack and args.batch_size == 1
+    with pytest.raises(SystemExit) as e:
+        parse(["--pack", "--cp", "1"])
+    assert e.value.code == 2
+
+
 @pytest.mark.timeout(240)
 def test_hf_gemma2_cp_equals_eager():
     pytest.importorskip("transformers", reason="needs transformers (pip install -e '.[gemma2]')")

@@ -68,3 +68,64 @@ def get_batch(tokens: torch.Tensor, *, step: int, dp_rank: int, batch_size: int,
     starts = torch.randint(0, tokens.numel() - need, (batch_size,), generator=g)
     rows = [torch.cat([torch.tensor([bos_id]), tokens[s:s + need]]) for s in starts.tolist()]
     return torch.stack(rows)
+
+
+def load_documents(data: Optional[str] = None, model_dir: Optional[str] = None,
+                   eos_id: int = ByteTokenizer.eos_id) -> list:
+    """The corpus as a list of documents (1-D int64 tensors, none empty), for --pack.
+
+    Text (the default corpus or a UTF-8 file) is split at blank lines ("\\n\\n"), each piece
+    tokenized on its own; a .pt token tensor is split at eos_id tokens (dropped)."""
+    if data is not None and data.endswith(".pt"):
+        tokens = load_tokens(data)
+        cuts = (tokens == eos_id).nonzero()[:, 0].tolist()
+        bounds = zip([-1] + cuts, cuts + [tokens.numel()])
+        docs = [tokens[a + 1:b] for a, b in bounds]
+    else:
+        if data is None:
+            text = default_text()
+        else:
+            if not os.path.isfile(data):
+                raise FileNotFoundError(f"--data {data!r} does not exist; pass a UTF-8 text file or "
+                                        "a .pt file of token ids (or omit --data)")
+            with open(data, encoding="utf-8") as f:
+                text = f.read()
+        pieces = [p for p in text.split("\n\n") if p.strip()]
+        if model_dir is not None:
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+            docs = [torch.tensor(ids, dtype=torch.long)
+                    for ids in tok(pieces, add_special_tokens=False)["input_ids"]]
+        else:
+            enc = ByteTokenizer().encode
+            docs = [torch.tensor(enc(p), dtype=torch.long) for p in pieces]
+    docs = [d for d in docs if d.numel()]
+    if not docs:
+        raise ValueError(f"--pack found no documents in --data {data!r}")
+    return docs
+
+
+def get_packed_batch(docs: list, *, step: int, dp_rank: int, seq_len: int, seed: int,
+                     bos_id: int = ByteTokenizer.bos_id, pad_id: int = ByteTokenizer.pad_id):
+    """One packed row for --pack: (inputs [1, seq_len], labels [1, seq_len], cu_seqlens list).
+
+    Documents, each as bos + its tokens, are taken in corpus order from a start drawn from (seed,
+    step, dp_rank) and packed greedily while they fit whole (a first document longer than the
+    row is cut to it). cu_seqlens = [0, e1, ..., T_docs] are the row's GLOBAL boundaries. Labels
+    are next tokens WITHIN a document: each document's last token predicts nothing (-100), so no
+    label crosses a boundary; the tail after T_docs is pad_id with labels -100, in no document."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 7919 + dp_rank * 104_729)
+    i = int(torch.randint(0, len(docs), (1,), generator=g))
+    inp = torch.full((seq_len,), pad_id, dtype=torch.long)
+    lab = torch.full((seq_len,), -100, dtype=torch.long)
+    cu = [0]
+    for _ in range(len(docs)):
+        doc = torch.cat([torch.tensor([bos_id]), docs[i]])[:seq_len]
+        end = cu[-1] + doc.numel()
+        if end > seq_len:
+            break
+        inp[cu[-1]:end] = doc
+        lab[cu[-1]:end - 1] = doc[1:]
+        cu.append(end)
+        i = (i + 1) % len(docs)
+    return inp[None], lab[None], cu

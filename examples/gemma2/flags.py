@@ -64,6 +64,10 @@ def parser(doc: str) -> Parser:
     a("--loss-chunk", type=int, help="tokens per cross-entropy slice (None: 256 MiB of float32 logits)")
     a("--seq-len", type=int, default=256, help="global sequence length (a multiple of 2*cp)")
     a("--batch-size", type=int, default=8, help="sequences per dp rank per step")
+    a("--pack", action="store_true", help="each sequence packs whole documents (the corpus split at "
+      "blank lines; a .pt corpus at eos tokens) with their global cu_seqlens: attention and RoPE "
+      "restart per document, no label crosses a boundary. One packed row per dp rank: needs "
+      "--batch-size 1 (rows would need their own boundaries)")
     a("--max-steps", type=int, default=50, help="total optimizer steps (sets the LR schedule)")
     a("--stop-after", type=int, help="stop after this many steps in this run (e.g. a job time limit)")
     a("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -106,6 +110,9 @@ def _problems(args, world: int, cfg):
         good = (args.seq_len // (2 * cp) + 1) * 2 * cp
         yield (f"--seq-len {args.seq_len} must be a multiple of 2*cp = {2 * cp} (zigzag: 2 chunks per "
                f"CP rank); use --seq-len {good}, or a different --cp")
+    if args.pack and args.batch_size != 1:
+        yield (f"--pack packs one row per dp rank per step (each row has its own document "
+               f"boundaries); use --batch-size 1, not {args.batch_size}")
     try:
         check_comm(args.comm, cp, cfg.num_attention_heads, args.a2a_size)
     except ValueError as e:

@@ -123,16 +123,17 @@ class DecoderLayer(nn.Module):
     def feed_forward(self, x):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
-    def _layer(self, x, cos, sin):
-        x = self.post_attention(x, self.self_attn.attn(*self.pre_attention(x, cos, sin)))
+    def _layer(self, x, cos, sin, cu_seqlens=None):
+        x = self.post_attention(x, self.self_attn.attn(*self.pre_attention(x, cos, sin),
+                                                       cu_seqlens=cu_seqlens))
         if self.ac == "mlp":
             return checkpoint(self.feed_forward, x, use_reentrant=False)
         return self.feed_forward(x)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, cu_seqlens=None):
         if self.ac == "full":
-            return checkpoint(self._layer, x, cos, sin, use_reentrant=False)
-        return self._layer(x, cos, sin)
+            return checkpoint(self._layer, x, cos, sin, cu_seqlens, use_reentrant=False)
+        return self._layer(x, cos, sin, cu_seqlens)
 
 
 class Gemma2Body(nn.Module):
@@ -152,6 +153,9 @@ class Gemma2(nn.Module):
     "all_gather", "a2a", "a2a+p2p", "auto"); backend: kernel ("auto" = selector).
     forward(input_ids [B, S_local], position_ids [B or 1, S_local] global positions, default
     arange) -> logits [B, S_local, vocab], final-softcapped (cap * tanh(logits / cap)).
+    cu_seqlens (packed documents): the GLOBAL document boundaries of the stream, the same on every
+    CP rank; ids/positions/labels are then sharded with the same cu_seqlens and positions are
+    document-relative (cp_softcap.sharding.positions(..., cu_seqlens=)).
     """
 
     def __init__(self, cfg: Gemma2Config, cp_group=None, *, comm: str = "ring", backend: str = "auto"):
@@ -174,7 +178,7 @@ class Gemma2(nn.Module):
             assign(p, full)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None, cu_seqlens=None) -> torch.Tensor:
         """Without labels: the logits. With labels [B, S_local] (-100 = not predicted): the float32
         cross-entropy SUM over this rank's tokens, computed `loss_chunk` tokens at a time
         (loss.py), so the [tokens, vocab] logits never exist."""
@@ -184,7 +188,7 @@ class Gemma2(nn.Module):
         x = emb(input_ids) * torch.tensor(cfg.hidden_size ** 0.5, dtype=emb.weight.dtype)
         cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, cu_seqlens)
         h, cap = self.model.norm(x), cfg.final_logit_softcapping
         if labels is not None:
             return softcap_cross_entropy_sum(h, emb.weight, labels, cap, self.loss_chunk)

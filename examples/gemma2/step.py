@@ -73,3 +73,27 @@ def loss_and_grads(model, tokens: torch.Tensor, d: Dist, autocast=None,
     total = loss.detach().clone()
     dist.all_reduce(total, group=d.grad_group)
     return total
+
+
+def packed_loss_and_grads(model, inp: torch.Tensor, lab: torch.Tensor, cu_seqlens, d: Dist,
+                          autocast=None) -> torch.Tensor:
+    """loss_and_grads for one packed row (--pack): inp, lab [1, S] from data.get_packed_batch (the
+    same on all cp ranks), cu_seqlens its GLOBAL document boundaries. Ids, labels (padded with
+    -100) and document-relative positions get the packed layout's shard, every attention layer
+    gets cu_seqlens, and the loss is divided by the valid labels of the whole step."""
+    from torch.distributed.fsdp import FSDPModule
+
+    shard = lambda t, pad: cps.sharding.shard(t, d.cp, d.cp_rank, cu_seqlens=cu_seqlens,  # noqa: E731
+                                              pad_value=pad).to(d.device)
+    ids, labels = shard(inp, 0), shard(lab, -100)
+    pos = cps.sharding.positions(inp.shape[1], d.cp, d.cp_rank, d.device, cu_seqlens=cu_seqlens)[None]
+    n_valid = count_valid(lab, d)
+    ctx = autocast if autocast is not None else torch.autocast(d.device.type, enabled=False)
+    with ctx:
+        loss = model(ids, pos, labels=labels, cu_seqlens=cu_seqlens) / n_valid.to(torch.float32)
+    loss.backward()
+    if not isinstance(model, FSDPModule):
+        sum_grads(model.parameters(), d.grad_group)
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=d.grad_group)
+    return total

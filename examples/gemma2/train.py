@@ -23,9 +23,9 @@ if __package__ in (None, ""):   # run as a script: make `gemma2` importable from
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gemma2 import checkpoint, flags, memory, metrics, parallel, parallelize  # noqa: E402
-from gemma2.data import get_batch, load_tokens  # noqa: E402
+from gemma2.data import get_batch, get_packed_batch, load_documents, load_tokens  # noqa: E402
 from gemma2.model import Gemma2, load_hf_weights  # noqa: E402
-from gemma2.step import loss_and_grads  # noqa: E402
+from gemma2.step import loss_and_grads, packed_loss_and_grads  # noqa: E402
 
 
 def lr_at(step: int, args) -> float:
@@ -76,9 +76,14 @@ def build(args, cfg, d: parallel.Dist):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    tokens = load_tokens(args.data, args.model_dir)
-    if int(tokens.max()) >= cfg.vocab_size:
-        raise ValueError(f"token id {int(tokens.max())} >= vocab size {cfg.vocab_size}; the tokenizer "
+    if args.pack:     # a list of documents; checked against the vocab as one stream
+        tokens = load_documents(args.data, args.model_dir, cfg.eos_token_id)
+        top = max(int(t.max()) for t in tokens)
+    else:
+        tokens = load_tokens(args.data, args.model_dir)
+        top = int(tokens.max())
+    if top >= cfg.vocab_size:
+        raise ValueError(f"token id {top} >= vocab size {cfg.vocab_size}; the tokenizer "
                          "does not match the model config")
     return model, opt, tokens
 
@@ -88,9 +93,14 @@ def train_step(model, opt, tokens, step: int, args, cfg, d, autocast):
     lr = lr_at(step, args)
     for g in opt.param_groups:
         g["lr"] = lr
-    batch = get_batch(tokens, step=step, dp_rank=d.dp_rank, batch_size=args.batch_size,
-                      seq_len=args.seq_len, seed=args.seed, bos_id=cfg.bos_token_id)
-    loss = loss_and_grads(model, batch, d, autocast, pad_id=cfg.pad_token_id)
+    if args.pack:
+        inp, lab, cu = get_packed_batch(tokens, step=step, dp_rank=d.dp_rank, seq_len=args.seq_len,
+                                        seed=args.seed, bos_id=cfg.bos_token_id, pad_id=cfg.pad_token_id)
+        loss = packed_loss_and_grads(model, inp, lab, cu, d, autocast)
+    else:
+        batch = get_batch(tokens, step=step, dp_rank=d.dp_rank, batch_size=args.batch_size,
+                          seq_len=args.seq_len, seed=args.seed, bos_id=cfg.bos_token_id)
+        loss = loss_and_grads(model, batch, d, autocast, pad_id=cfg.pad_token_id)
     gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
     opt.step()
     opt.zero_grad(set_to_none=True)
