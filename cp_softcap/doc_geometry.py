@@ -142,6 +142,29 @@ def _trim(qa: int, qb: int, ka: int, kb: int, window: Window):
     return qa, qb, ka, kb, (None if left is None else left - d, None if right is None else right + d)
 
 
+def _split_wide(box, window: Window):
+    """A trimmed box as boxes no flash-attn kernel misreads: [] for None, else the box, or, when
+    its left side is bounded, its right side hides nothing and it has more rows than keys + 1,
+    the rows that see every key (one fully visible box) and the rest (rows <= keys).
+
+    flash-attn 2 (set_params_fprop/dgrad) replaces an unbounded right side by seqlen_k whenever
+    the left side is bounded; bottom-right aligned, right = seqlen_k hides keys from the first
+    rows once rows > keys + 1 (a document's start clips the keys of a later query run): the
+    forward loses those keys and the backward their dK/dV (measured on an H200: dv 0.25 at
+    cp 4, window (100, 0)). Splitting is exact for every kernel."""
+    if box is None:
+        return []
+    qa, qb, ka, kb, raw = box
+    left = window[0]
+    if left is None or qb - qa <= kb - ka + 1 or (raw[1] is not None and raw[1] < qb - qa):
+        return [box]
+    last_full = ka + left               # rows up to here see keys ka..kb (every key)
+    if last_full >= qb:
+        return [box]
+    return [b for b in (_trim(qa, last_full, ka, kb, window), _trim(last_full + 1, qb, ka, kb, window))
+            if b is not None]
+
+
 def _normalize(raw: Window, cu_q, cu_k) -> Window:
     """A side that hides nothing in any segment becomes None (as layout._normalize per call)."""
     left, right = raw
@@ -165,8 +188,7 @@ def run_calls(cu: Tuple[int, ...], q_runs: Sequence[Run], k_runs: Sequence[Run],
                 a, b = cu[d], cu[d + 1]
                 # empty intersections (qa > qb or ka > kb) come back as None from _trim
                 box = _trim(max(a, qg0), min(b, qg1) - 1, max(a, kg0), min(b, kg1) - 1, window)
-                if box is not None:
-                    qa, qb, ka, kb, raw = box
+                for qa, qb, ka, kb, raw in _split_wide(box, window):
                     boxes.append((qa - qg0 + ql, qb - qg0 + ql + 1, ka - kg0 + kl, kb - kg0 + kl + 1, raw))
     return _fuse(sorted(boxes, key=lambda b: (b[0], b[2])))
 
