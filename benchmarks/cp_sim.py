@@ -5,6 +5,7 @@ S = 32K and 128K, for several CP_SOFTCAP_RING_BLOCK_KEYS values.
     python benchmarks/cp_sim.py                  # H200, Gemma2-9B heads (16/8, D=256), softcap 50
     python benchmarks/cp_sim.py --window 4095    # Gemma2's local layers
     python benchmarks/cp_sim.py --dry-run        # CPU, tiny shapes, checks the script only
+    python benchmarks/cp_sim.py --packed longtail --seqs 131072 --cps 8 --kernel fa2
 
 ratio = per-rank time * cp / full-attention time (1.0 = perfect; communication not included).
 The rank's calls come from cp_softcap.layout (plan_step for the self step, ring_blocks +
@@ -15,6 +16,24 @@ call's kernel backward with the final merged (O, LSE), float32 dQ, per-block dK/
 the dtype the ring returns them (ring.return_dtype), plus the adds of the partials other ranks
 would return. Writes benchmarks/results/cp_sim[_tag].json and .png (a dry run: into $OUT or a new
 temporary folder, never into the tracked results).
+
+--packed MIX: a packed stream of documents (MIX = longtail: lengths 16..32K log-uniform, or
+short: 64..2K; benchmarks/packing_balance.mix, seed 0, so the same streams as that benchmark).
+Every rank of the ring is simulated (the busiest rank sets the step time): its self call
+(doc_geometry.step_calls) and one block per ring step (doc_geometry.block_plan, one step per
+block), run through forward_calls / backward_calls with the kernel's segments=. ideal = the
+full packed attention on one device (doc_geometry.stream_calls, same kernel) / cp; the reported
+ratio is busiest-rank time / ideal. Two layouts:
+  packed  cp_softcap.documents.packed_layout (the library's chunks, assigned by area)
+  zigzag  whole-stream zigzag chunks (rank r holds chunks r and 2cp-1-r) as a PackedLayout, so
+          its calls are the SAME document-masked kernel calls (doc_geometry handles any chunk
+          ownership): a correct packed computation, only the balance differs. Running zigzag's
+          unpacked chunk-pair calls instead would time attention across document boundaries,
+          i.e. a different (wrong) result, so it is not a valid comparison.
+The area ratio of each layout (PackedLayout.imbalance, as packing_balance reports) is recorded
+next to the timed ratio. Backward: the dK/dV partials of received blocks are accumulated in the
+gradient dtype and not added at their owner (the adds are small next to the kernel work). fa4
+refuses segments=, so --packed needs fa2, flex or torch. Writes cp_sim_packed_<mix>[_tag].json.
 """
 from __future__ import annotations
 
@@ -35,6 +54,9 @@ from cp_softcap.spec import make_spec                               # noqa: E402
 from cp_softcap.selector import select                              # noqa: E402
 from benchmarks._util import OUT_DIR_HELP, out_dir_for, bench_ms, save, table  # noqa: E402
 from benchmarks.plots import plot_json  # noqa: E402
+from cp_softcap import doc_geometry as dgeo                         # noqa: E402
+
+PACKED_MIXES = {"longtail": "long-tail", "short": "short"}   # cp_sim name -> packing_balance kind
 
 
 class RankSim:
@@ -91,6 +113,123 @@ class RankSim:
                 dk.add(k0, k1, g)
                 dv.add(k0, k1, g)
         return tuple(a.result().to(t.dtype) for a, t in ((dq, self.q), (dk, self.k), (dv, self.v)))
+
+
+class PackedRankSim:
+    """Rank `rank` of a ring over a PackedLayout: self call plus one block per ring step
+    (doc_geometry.block_plan), with random K/V buffers of the received sizes. No communication."""
+
+    def __init__(self, kernel, layout, window, hq, hkv, d, dtype, dev, softcap, rank):
+        self.kernel, self.softcap, self.scale = kernel, softcap, d ** -0.5
+        L = layout.local_len
+        mk = lambda n, h: torch.randn(1, n, h, d, device=dev, dtype=dtype)   # noqa: E731
+        self.q, self.k, self.v, self.dout = mk(L, hq), mk(L, hkv), mk(L, hkv), mk(L, hq)
+        self.self_calls = dgeo.step_calls(layout, rank, rank, window)
+        self.blocks = []
+        for step in range(1, layout.cp):
+            slots, calls = dgeo.block_plan(layout, rank, window, (step,))
+            n = sum(sl.size for sl in slots)
+            if calls:
+                self.blocks.append((mk(n, hkv), mk(n, hkv), calls))
+        self.calls = len(self.self_calls) + sum(len(b[2]) for b in self.blocks)
+
+    def forward(self):
+        kw = (self.kernel, self.scale, self.softcap)
+        acc_o, acc_l = new_accumulator(self.q.shape, self.v.shape[-1], self.q.dtype, self.q.device)
+        forward_calls(self.q, self.k, self.v, self.self_calls, *kw, acc_o, acc_l)
+        for kb, vb, calls in self.blocks:
+            forward_calls(self.q, kb, vb, calls, *kw, acc_o, acc_l)
+        return acc_o, acc_l
+
+    def forward_backward(self):
+        kw = (self.kernel, self.scale, self.softcap)
+        out, lse = self.forward()
+        gdt = grad_dtype(self.q.dtype)
+        dout, out, dlse = self.kernel.prepare_backward(self.dout, out, None, self.q.dtype)
+        dq, dk, dv = (GradAccumulator(t.shape, gdt, self.q.device)
+                      for t in (self.q, self.k, self.v))
+        backward_calls(dout, self.q, self.k, self.v, out, lse, dlse, self.self_calls, *kw,
+                       dq, dk, dv)
+        for kb, vb, calls in self.blocks:
+            gk, gv = (GradAccumulator(t.shape, gdt, kb.device) for t in (kb, vb))
+            backward_calls(dout, self.q, kb, vb, out, lse, dlse, calls, *kw, dq, gk, gv)
+            gk.result(), gv.result()
+        return tuple(a.result() for a in (dq, dk, dv))
+
+
+def packed_full(kernel, cu, seq_len, window, hq, hkv, d, dtype, dev, softcap, backward):
+    """The whole packed stream on one device: stream_calls through the same kernel."""
+    q = torch.randn(1, seq_len, hq, d, device=dev, dtype=dtype)
+    k = torch.randn(1, seq_len, hkv, d, device=dev, dtype=dtype)
+    v = torch.randn(1, seq_len, hkv, d, device=dev, dtype=dtype)
+    dout, calls, kw = torch.randn_like(q), dgeo.stream_calls(cu, seq_len, window), (kernel, d ** -0.5, softcap)
+
+    def run():
+        acc_o, acc_l = new_accumulator(q.shape, v.shape[-1], dtype, q.device)
+        forward_calls(q, k, v, calls, *kw, acc_o, acc_l)
+        if backward:
+            g, o, dl = kernel.prepare_backward(dout, acc_o, None, dtype)
+            acc = [GradAccumulator(t.shape, grad_dtype(dtype), q.device) for t in (q, k, v)]
+            backward_calls(g, q, k, v, o, acc_l, dl, calls, *kw, *acc)
+            [a.result() for a in acc]
+    return run
+
+
+def run_packed(a, kernel, name, hq, hkv, d, dtype, dev) -> int:
+    """--packed: every rank of the packed and the zigzag layout vs the full packed attention."""
+    from benchmarks.packing_balance import fixed_layout, mix
+    from cp_softcap.documents import packed_layout
+    if name == "fa4":
+        raise SystemExit("--packed: fa4 refuses segments=; use --kernel fa2, flex or torch")
+    window = (a.window, 0)
+    records, rows = [], [["S", "docs", "cp", "layout", "area ratio", "mode", "max calls",
+                          "busiest ms", "full ms", "ratio"]]
+    for s in a.seqs:
+        cu = tuple(mix(PACKED_MIXES[a.packed], s, 0))
+        for cp in a.cps:
+            layouts = {"packed": packed_layout(cu, s, cp, window=window),
+                       "zigzag": fixed_layout(cu, s, cp, chunks=tuple((r, 2 * cp - 1 - r)
+                                                                     for r in range(cp)),
+                                              window=window)}
+            for lname, lay in layouts.items():
+                full = {m: bench_ms(packed_full(kernel, lay.cu_seqlens, lay.seq_len, window, hq,
+                                                hkv, d, dtype, dev, a.softcap, m == "fwd+bwd"),
+                                    rep_ms=a.rep_ms) for m in ("fwd", "fwd+bwd")}
+                per = {m: [] for m in full}
+                calls = []
+                for r in range(cp):
+                    sim = PackedRankSim(kernel, lay, window, hq, hkv, d, dtype, dev, a.softcap, r)
+                    calls.append(sim.calls)
+                    for m in full:
+                        per[m].append(bench_ms(sim.forward if m == "fwd" else sim.forward_backward,
+                                               rep_ms=a.rep_ms))
+                    del sim
+                    if dev == "cuda":
+                        torch.cuda.empty_cache()
+                for m in full:
+                    busiest = max(per[m])
+                    ratio = busiest * cp / full[m]
+                    records.append(dict(S=s, seq_len=lay.seq_len, docs=len(cu) - 1, cp=cp,
+                                        mix=a.packed, layout=lname, mode=m, kernel=name,
+                                        window=a.window, area_ratio=lay.imbalance,
+                                        chunks_per_rank=lay.chunks_per_rank, calls=calls,
+                                        rank_ms=per[m], busiest_ms=busiest, full_ms=full[m],
+                                        ideal_ms=full[m] / cp, ratio=ratio))
+                    rows.append([s, len(cu) - 1, cp, lname, f"{lay.imbalance:.3f}", m, max(calls),
+                                 f"{busiest:.3f}", f"{full[m]:.3f}", f"{ratio:.3f}"])
+    meta = dict(kernel=name, heads=[hq, hkv, d], softcap=a.softcap, dtype=str(dtype), batch=1,
+                window=a.window, mix=a.packed, seed=0,
+                ratio="busiest rank time / (full packed attention time / cp), same kernel, "
+                      "no communication")
+    stem = f"cp_sim_packed_{a.packed}" + (f"_{a.tag}" if a.tag else "")
+    path = save(stem, records, meta, a.out_dir)
+    try:
+        plot_json(path)
+    except Exception as e:          # the plot helper knows the unpacked records; JSON is the result
+        print(f"plot skipped: {type(e).__name__}: {e}")
+    print(table(rows))
+    print(f"wrote {path}")
+    return 0
 
 
 def graphed(fn):
@@ -172,6 +311,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also record device time by kernel (torch.profiler) per row")
     p.add_argument("--tag", default="", help="suffix of the output files: cp_sim_<tag>.json")
+    p.add_argument("--packed", choices=sorted(PACKED_MIXES), default=None,
+                   help="simulate a packed stream of this document-length mix (every rank)")
     p.add_argument("--dry-run", action="store_true")
     a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -186,6 +327,8 @@ def main(argv=None) -> int:
                      softcap=a.softcap, causal=True, window=window, cp_size=max(a.cps))
     name = select(spec, a.kernel).name if dev == "cuda" or a.kernel != "auto" else "torch"
     kernel = get_kernel(name)
+    if a.packed:
+        return run_packed(a, kernel, name, hq, hkv, d, dtype, dev)
     records, rows = [], [["S", "cp", "block keys", "calls", "mode", "rank ms", "host ms",
                           "full ms", "ratio", "graph ratio"]]
     for s in a.seqs:

@@ -33,7 +33,7 @@
 #                                      #   backend with a softcap score_mod vs flex Triton / fa4
 #   bash scripts/gpu_check.sh packed   # ONE call, carry [".fa2"] (no fa4): flash-attn 2 and flex
 #                                      #   with packed documents (segments), kernels, autocast and
-#                                      #   CP tests on one GPU except the fa4 cases
+#                                      #   CP tests on one GPU except the fa4 cases, cp_sim --packed
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh multi
 #                                      # (call 2, on a several-GPU kind): cp_multi with every
 #                                      #   comm (a2a+p2p where the GPU count allows), and window 4095
@@ -184,6 +184,11 @@ if [ "$phase" = packed ]; then                  # carry .fa2; fa4 cases skip the
   step "GPU CP tests: packed documents and every comm type, 2 and 4 ranks on one GPU (fa2, flex)"
   timeout 220 $PY -m pytest tests/test_gpu_packed_cp.py tests/test_gpu_cp.py -q -rs -n 6 -p no:cacheprovider \
       2>&1 | tee "$OUT/pytest_packed_cp.log" | grep -v "^SKIPPED" | tail -25 || rc=1
+  step "cp_sim --packed longtail: every rank's packed calls (fa2 segments) vs the full packed stream, cp 8, 128K"
+  pk=fa2; [ "$dry" = 1 ] && pk=torch            # the CPU dry run has no flash-attn
+  timeout 150 $PY benchmarks/cp_sim.py $bench_args --packed longtail --seqs 131072 --cps 8 --kernel $pk \
+      --rep-ms 100 2>&1 | tail -12 || rc=1
+  cp $bench_out/cp_sim_packed_longtail.json $bench_out/cp_sim_packed_longtail.png "$OUT/" 2>/dev/null
 fi
 if [ "$phase" = native ]; then                  # after fa4 is installed
   step "GPU CP tests: 2 and 4 ranks on one GPU (fa4 bf16 dK/dV returns in the ring)"
