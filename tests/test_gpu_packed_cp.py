@@ -60,10 +60,14 @@ def _worker(rank, world, backend, dtype, comms, window):
         out.backward(shard(dout[:, :s], world, rank, cu_seqlens=cu).cuda())
         grads = [t.grad.cpu() for t in local]
         # bf16 kernels round P and dS to bf16 for their matmuls: 2x the single-kernel bf16
-        # tolerance, as tests/test_gpu_cp.py measured for the unpacked calls
+        # tolerance, as tests/test_gpu_cp.py measured for the unpacked calls. flash-attn 2 also
+        # takes O in bf16 for D = rowsum(dO * O): on short, near one-hot rows (documents of 1-2
+        # keys under a saturating cap) that alone gave dq/dk 0.031/0.035 on CPU with a faithful
+        # stand-in (the float32-O torch path: 0.002/0.003), hence 4x for fa2.
         errs = check_against_reference(out.detach().cpu(), grads, shard(ref_out, world, rank, cu_seqlens=cu),
                                        [shard(g, world, rank, cu_seqlens=cu) for g in ref_grads], dtype,
-                                       label=f"rank {rank} {backend} {comm} {window}", tol_scale=2.0)
+                                       label=f"rank {rank} {backend} {comm} {window}",
+                                       tol_scale=4.0 if backend == "fa2" else 2.0)
         errs["dropped"] = rel_err(out.detach().cpu(), shard(dropped, world, rank, cu_seqlens=cu))
         report[comm] = errs
     return report
