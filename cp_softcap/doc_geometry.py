@@ -27,7 +27,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from .documents import PackedLayout
-from .layout import PairCall
+from .layout import PairCall, trim_box
 from .spec import Window
 
 Run = Tuple[int, int, int]          # (global start, global end, local start)
@@ -72,17 +72,9 @@ class DocCall:
 
     def area(self) -> int:
         """Visible (query, key) pairs of this call."""
-        left, right = self.window
-        total = 0
-        for s in range(self.segments):
-            sq = self.cu_q[s + 1] - self.cu_q[s]
-            sk = self.cu_k[s + 1] - self.cu_k[s]
-            for i in range(sq):
-                a = i + sk - sq
-                lo = 0 if left is None else max(0, a - left)
-                hi = sk - 1 if right is None else min(sk - 1, a + right)
-                total += max(0, hi - lo + 1)
-        return total
+        # each segment is an ordinary bottom-right aligned call of its own rows and keys
+        return sum(PairCall(0, self.cu_q[s + 1] - self.cu_q[s], 0, self.cu_k[s + 1] - self.cu_k[s],
+                            self.window).area() for s in range(self.segments))
 
     def token_ids(self, device=None):
         """Per row and per key: (q_seg [nq], q_pos [nq], k_seg [nk], k_pos [nk]) int64, such that
@@ -122,26 +114,6 @@ def visibility_mask(q_doc: torch.Tensor, q_pos: torch.Tensor, k_doc: torch.Tenso
     return vis
 
 
-def _trim(qa: int, qb: int, ka: int, kb: int, window: Window):
-    """layout.plan_pair on inclusive global ranges, but returning the RAW local window (not
-    normalised) so boxes can be compared for fusion: (qa, qb, ka, kb, raw) or None."""
-    left, right = window
-    if right is not None:
-        qa = max(qa, ka - right)
-    if left is not None:
-        qb = min(qb, kb + left)
-    if qa > qb:
-        return None
-    if left is not None:
-        ka = max(ka, qa - left)
-    if right is not None:
-        kb = min(kb, qb + right)
-    if ka > kb:
-        return None
-    d = qb - kb
-    return qa, qb, ka, kb, (None if left is None else left - d, None if right is None else right + d)
-
-
 def _split_wide(box, window: Window):
     """A trimmed box as boxes no flash-attn kernel misreads: [] for None, else the box, or, when
     its left side is bounded, its right side hides nothing and it has more rows than keys + 1,
@@ -161,7 +133,7 @@ def _split_wide(box, window: Window):
     last_full = ka + left               # rows up to here see keys ka..kb (every key)
     if last_full >= qb:
         return [box]
-    return [b for b in (_trim(qa, last_full, ka, kb, window), _trim(last_full + 1, qb, ka, kb, window))
+    return [b for b in (trim_box(qa, last_full, ka, kb, window), trim_box(last_full + 1, qb, ka, kb, window))
             if b is not None]
 
 
@@ -186,8 +158,8 @@ def run_calls(cu: Tuple[int, ...], q_runs: Sequence[Run], k_runs: Sequence[Run],
             last = min(bisect_right(cu, qg1 - 1), bisect_right(cu, kg1 - 1)) - 1
             for d in range(first, min(last, last_doc) + 1):
                 a, b = cu[d], cu[d + 1]
-                # empty intersections (qa > qb or ka > kb) come back as None from _trim
-                box = _trim(max(a, qg0), min(b, qg1) - 1, max(a, kg0), min(b, kg1) - 1, window)
+                # empty intersections (qa > qb or ka > kb) come back as None from trim_box
+                box = trim_box(max(a, qg0), min(b, qg1) - 1, max(a, kg0), min(b, kg1) - 1, window)
                 for qa, qb, ka, kb, raw in _split_wide(box, window):
                     boxes.append((qa - qg0 + ql, qb - qg0 + ql + 1, ka - kg0 + kl, kb - kg0 + kl + 1, raw))
     return _fuse(sorted(boxes, key=lambda b: (b[0], b[2])))

@@ -61,25 +61,32 @@ def plan_pair(oq: int, sq: int, ok: int, sk: int, window: Window
     Returns (q0, q1, k0, k1, local_window) relative to the chunks' starts, or None if no query
     sees any key.
     """
+    box = trim_box(oq, oq + sq - 1, ok, ok + sk - 1, window)
+    if box is None:
+        return None
+    qa, qb, ka, kb, local = box
+    return qa - oq, qb - oq + 1, ka - ok, kb - ok + 1, _normalize(local, qb - qa + 1, kb - ka + 1)
+
+
+def trim_box(qa: int, qb: int, ka: int, kb: int, window: Window):
+    """Rows [qa, qb] x keys [ka, kb] (inclusive global positions) trimmed to the visible box
+    under `window`: (qa, qb, ka, kb, raw local window) or None. The raw window is the bottom-right
+    aligned one before _normalize, so callers can compare boxes for fusion."""
     left, right = window
-    qa, qb = oq, oq + sq - 1
     if right is not None:
-        qa = max(qa, ok - right)
+        qa = max(qa, ka - right)
     if left is not None:
-        qb = min(qb, ok + sk - 1 + left)
+        qb = min(qb, kb + left)
     if qa > qb:
         return None
-    ka, kb = ok, ok + sk - 1
     if left is not None:
         ka = max(ka, qa - left)
     if right is not None:
         kb = min(kb, qb + right)
     if ka > kb:
         return None
-    n_q, n_k = qb - qa + 1, kb - ka + 1
-    d = (qa - ka) - (n_k - n_q)
-    local = (None if left is None else left - d, None if right is None else right + d)
-    return qa - oq, qb - oq + 1, ka - ok, kb - ok + 1, _normalize(local, n_q, n_k)
+    d = qb - kb              # (qa - ka) - (n_k - n_q): the local shift of bottom-right alignment
+    return qa, qb, ka, kb, (None if left is None else left - d, None if right is None else right + d)
 
 
 @lru_cache(maxsize=4096)
