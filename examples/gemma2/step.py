@@ -60,19 +60,8 @@ def loss_and_grads(model, tokens: torch.Tensor, d: Dist, autocast=None,
     (pad_id tokens are not predicted). Leaves the SUMMED (dp x cp) gradients in .grad (FSDP2
     sums them itself); returns the global mean loss over valid tokens (0-d, the same on every
     rank)."""
-    from torch.distributed.fsdp import FSDPModule
-
     inp, lab, pos = (t.to(d.device) for t in shard_batch(tokens, d.cp, d.cp_rank, pad_id))
-    n_valid = count_valid(labels_of(tokens, pad_id), d)
-    ctx = autocast if autocast is not None else torch.autocast(d.device.type, enabled=False)
-    with ctx:
-        loss = model(inp, pos, labels=lab) / n_valid.to(torch.float32)
-    loss.backward()
-    if not isinstance(model, FSDPModule):
-        sum_grads(model.parameters(), d.grad_group)
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=d.grad_group)
-    return total
+    return _step(model, inp, pos, lab, count_valid(labels_of(tokens, pad_id), d), d, autocast)
 
 
 def packed_loss_and_grads(model, inp: torch.Tensor, lab: torch.Tensor, cu_seqlens, d: Dist,
@@ -81,16 +70,21 @@ def packed_loss_and_grads(model, inp: torch.Tensor, lab: torch.Tensor, cu_seqlen
     same on all cp ranks), cu_seqlens its GLOBAL document boundaries. Ids, labels (padded with
     -100) and document-relative positions get the packed layout's shard, every attention layer
     gets cu_seqlens, and the loss is divided by the valid labels of the whole step."""
-    from torch.distributed.fsdp import FSDPModule
-
     shard = lambda t, pad: cps.sharding.shard(t, d.cp, d.cp_rank, cu_seqlens=cu_seqlens,  # noqa: E731
                                               pad_value=pad).to(d.device)
     ids, labels = shard(inp, 0), shard(lab, -100)
     pos = cps.sharding.positions(inp.shape[1], d.cp, d.cp_rank, d.device, cu_seqlens=cu_seqlens)[None]
-    n_valid = count_valid(lab, d)
+    return _step(model, ids, pos, labels, count_valid(lab, d), d, autocast, cu_seqlens=cu_seqlens)
+
+
+def _step(model, ids, pos, labels, n_valid, d: Dist, autocast, **model_kw) -> torch.Tensor:
+    """Forward and backward of this rank's shard with the loss over the step's valid labels, then
+    gradients summed over dp x cp (FSDP2 reduces its own); returns the step's global loss."""
+    from torch.distributed.fsdp import FSDPModule
+
     ctx = autocast if autocast is not None else torch.autocast(d.device.type, enabled=False)
     with ctx:
-        loss = model(ids, pos, labels=labels, cu_seqlens=cu_seqlens) / n_valid.to(torch.float32)
+        loss = model(ids, pos, labels=labels, **model_kw) / n_valid.to(torch.float32)
     loss.backward()
     if not isinstance(model, FSDPModule):
         sum_grads(model.parameters(), d.grad_group)
