@@ -3,10 +3,8 @@ library's layout balances within 1.10 on every mix, never worse than whole-strea
 than rounding, equals zigzag on one document, and pads nothing at these lengths."""
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import packing_balance  # noqa: E402
+from benchmarks import packing_balance
 
 
 def test_dry_run(tmp_path):

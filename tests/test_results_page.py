@@ -2,7 +2,6 @@
 embeds exists, and every plot is drawn from its JSON by benchmarks/plots.py."""
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -39,7 +38,6 @@ def test_summary_lists_what_has_not_run():
 
 def test_plots_redraw_from_json(tmp_path):
     pytest.importorskip("matplotlib")
-    sys.path.insert(0, str(ROOT))
     from benchmarks.plots import plot_json
     drawn = 0
     for path in sorted(RESULTS.glob("*.json")):
