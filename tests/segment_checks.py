@@ -9,8 +9,7 @@ import torch
 
 from cp_softcap.doc_geometry import DocCall
 from cp_softcap.kernels.base import Segments
-from cp_softcap.testing import assert_finite, lse_err, rel_err, saturating_qkv, tolerance
-from doc_reference import masked_attention
+from cp_softcap.testing import assert_finite, lse_err, masked_attention, rel_err, saturating_qkv, tolerance
 
 # (cu_q, cu_k, window, label): documents of length 1, shorter than a block, spanning blocks,
 # segments with no rows or no keys, rows whose window hides every key of their segment

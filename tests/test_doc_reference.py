@@ -1,6 +1,7 @@
-"""The float64 packed-document reference (tests/doc_reference.py), and the packed geometry run
-through it: every rank's calls (cp_softcap.doc_geometry) with their masks, merged by LSE,
-reproduce the reference, which is what the kernels of the next layer must do.
+"""The float64 packed-document reference (cp_softcap.testing.reference_attention with
+cu_seqlens=), and the packed geometry run through it: every rank's calls
+(cp_softcap.doc_geometry) with their masks, merged by LSE, reproduce the reference, which is
+what the kernels of the next layer must do.
 
 Logits saturate the cap (|s| well above 2 * cap on most entries, caps 1-5 and 30/50); negative
 controls show that dropping the document boundaries, the cap, or a call's mask is detected.
@@ -13,9 +14,8 @@ import torch
 from cp_softcap import sharding
 from cp_softcap.doc_geometry import step_calls, stream_calls
 from cp_softcap.documents import packed_layout
-from cp_softcap.testing import reference_attention
 from cp_softcap.spec import normalize_window
-from doc_reference import doc_reference_attention, masked_attention
+from cp_softcap.testing import masked_attention, reference_attention
 
 CAPS = [1.0, 5.0, 30.0, 50.0]
 
@@ -47,7 +47,7 @@ def test_one_document_equals_unpacked(cap, causal, window):
     q, k, v = inputs(24, cap=cap)
     kw = dict(softcap=cap, causal=causal, window=window or (None, None))
     w = torch.randn(1, 24, 4, 8, dtype=torch.float64)
-    got = grads(lambda *t: doc_reference_attention(*t, [0, 24], **kw), q, k, v, w)
+    got = grads(lambda *t: reference_attention(*t, cu_seqlens=[0, 24], **kw), q, k, v, w)
     want = grads(lambda *t: reference_attention(*t, **kw), q, k, v, w)
     for g, r in zip(got, want):          # out, lse, dq, dk, dv
         assert torch.isfinite(g).all() and torch.allclose(g, r, atol=1e-10)
@@ -61,7 +61,7 @@ def test_documents_equal_separate_calls_and_padding_is_inert(cap):
     for causal, window in ((True, None), (True, (4, 0)), (False, (1, 2))):
         q, k, v = inputs(s, cap=cap)
         w = torch.randn(1, s, 4, 8, dtype=torch.float64)
-        out, lse = doc_reference_attention(q, k, v, cu, softcap=cap, causal=causal, window=window or (None, None))
+        out, lse = reference_attention(q, k, v, cu_seqlens=cu, softcap=cap, causal=causal, window=window or (None, None))
         finite_or_padding(out, lse, cu[-1])
         g = torch.autograd.grad((out * w).sum(), (q, k, v))
         assert all(torch.isfinite(t).all() for t in g)
@@ -80,12 +80,29 @@ def test_negative_controls():
     """Ignoring the boundaries, or the cap, changes the packed result."""
     cu, s = [0, 5, 13, 20], 20
     q, k, v = inputs(s, cap=2.0, grad=False)
-    out, _ = doc_reference_attention(q, k, v, cu, softcap=2.0, causal=True)
-    one, _ = doc_reference_attention(q, k, v, [0, s], softcap=2.0, causal=True)
-    nocap, _ = doc_reference_attention(q, k, v, cu, softcap=None, causal=True)
+    out, _ = reference_attention(q, k, v, cu_seqlens=cu, softcap=2.0, causal=True)
+    one, _ = reference_attention(q, k, v, cu_seqlens=[0, s], softcap=2.0, causal=True)
+    nocap, _ = reference_attention(q, k, v, cu_seqlens=cu, softcap=None, causal=True)
     assert torch.allclose(out[:, :5], one[:, :5])                 # the first document is unaffected
     assert (out[:, 5:] - one[:, 5:]).abs().max() > 1e-2
     assert (out - nocap).abs().max() > 1e-2
+
+
+def test_boundaries_as_tensor_and_bad_boundaries():
+    """A tensor of boundaries gives the list's result; boundaries the library rejects, or q and
+    k/v of different lengths, are refused with the library's error."""
+    cu, s = [0, 3, 10], 12
+    q, k, v = inputs(s, grad=False)
+    out, lse = reference_attention(q, k, v, cu_seqlens=cu, softcap=2.0, causal=True)
+    t_out, t_lse = reference_attention(q, k, v, cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+                                       softcap=2.0, causal=True)
+    assert torch.equal(out, t_out) and torch.equal(lse, t_lse)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        reference_attention(q, k, v, cu_seqlens=[0, 3, 3, 10])
+    with pytest.raises(ValueError, match="past the stream length"):
+        reference_attention(q, k, v, cu_seqlens=[0, 3, 13])
+    with pytest.raises(ValueError, match="same stream"):
+        reference_attention(q[:, :10], k, v, cu_seqlens=cu)
 
 
 def merge(parts, rows, hq, dv):
@@ -133,7 +150,7 @@ def test_packed_geometry_reproduces_reference(cp):
     padded = [sharding.pad_to_multiple(t, layout.seq_len) for t in (q, k, v)]
     for causal, window in ((True, None), (True, (5, 0)), (False, None), (False, (2, 3))):
         w = normalize_window(window, causal)
-        ref_out, ref_lse = doc_reference_attention(*padded, cu, softcap=3.0, causal=causal, window=w)
+        ref_out, ref_lse = reference_attention(*padded, cu_seqlens=cu, softcap=3.0, causal=causal, window=w)
         got = run_geometry(layout, q, k, v, 3.0, w)
         for r, (out, lse) in enumerate(got):
             idx = layout.index(r)
@@ -155,7 +172,7 @@ def test_stream_calls_reproduce_reference():
     cu, s = (0, 2, 3, 11, 20), 23
     q, k, v = inputs(s, cap=1.0, grad=False)
     for w in [(None, 0), (3, 0), (None, None)]:
-        ref_out, _ = doc_reference_attention(q, k, v, cu, softcap=1.0, window=w)
+        ref_out, _ = reference_attention(q, k, v, cu_seqlens=cu, softcap=1.0, window=w)
         parts = []
         for c in stream_calls(cu, s, w):
             o, l = masked_attention(q[:, c.q0:c.q1], k[:, c.k0:c.k1], v[:, c.k0:c.k1], c.mask(), softcap=1.0)

@@ -30,9 +30,7 @@ def _worker(rank, world, backend, dtype, comms, window):
 
     import cp_softcap as cps
     from cp_softcap.sharding import packed_len, shard
-    from cp_softcap.testing import check_against_reference, rel_err, saturating_qkv
-    sys.path.insert(0, HERE)
-    from doc_reference import doc_reference_attention
+    from cp_softcap.testing import check_against_reference, reference_attention, rel_err, saturating_qkv
     cu = [0]
     for n in DOCS:
         cu.append(cu[-1] + n)
@@ -44,8 +42,8 @@ def _worker(rank, world, backend, dtype, comms, window):
 
     def reference(bounds):
         leaves = [t.double().requires_grad_() for t in (q, k, v)]
-        out, _ = doc_reference_attention(*leaves, bounds, softcap=cap, causal=True,
-                                         window=window or (None, None))
+        out, _ = reference_attention(*leaves, cu_seqlens=bounds, softcap=cap, causal=True,
+                                     window=window or (None, None))
         out.backward(dout.double())
         return out.detach(), [t.grad for t in leaves]
     ref_out, ref_grads = reference(cu)

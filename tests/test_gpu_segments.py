@@ -45,8 +45,7 @@ def test_packed_attention_cuda(backend):
     """cps.attention(cu_seqlens=) on CUDA in bf16: documents of length 1, shorter and longer than
     a kernel tile, a window, a padding tail; float64 reference of the whole stream."""
     import cp_softcap as cps
-    from cp_softcap.testing import rel_err, saturating_qkv, tolerance
-    from doc_reference import doc_reference_attention
+    from cp_softcap.testing import reference_attention, rel_err, saturating_qkv, tolerance
     if backend == "fa2" and get_kernel("fa2")._interface() is None:
         pytest.skip(get_kernel("fa2")._reason)
     cu, t = [0, 1, 40, 300, 301, 700], 760
@@ -55,7 +54,7 @@ def test_packed_attention_cuda(backend):
     out = cps.attention(q, k, v, softcap=50.0, window=(127, 0), cu_seqlens=cu, backend=backend)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     leaves = [x.detach().cpu().double().requires_grad_() for x in (q, k, v)]
-    ref, _ = doc_reference_attention(*leaves, cu, softcap=50.0, causal=True, window=(127, 0))
+    ref, _ = reference_attention(*leaves, cu_seqlens=cu, softcap=50.0, causal=True, window=(127, 0))
     ref_grads = torch.autograd.grad(ref, leaves, dout.cpu().double())
     assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
     assert rel_err(out.cpu(), ref) <= tolerance(torch.bfloat16, "out")

@@ -1,5 +1,5 @@
 """cps.attention(q, k, v, cu_seqlens=cu) on one device against the float64 reference of the
-whole stream with a block-diagonal document mask (tests/doc_reference.py): saturating caps,
+whole stream with a block-diagonal document mask (reference_attention(cu_seqlens=)): saturating caps,
 windows, GQA, documents of length 1, shorter than a kernel block, spanning blocks, a padding
 tail; gradients (and the LSE's); negative controls without boundaries; errors."""
 import random
@@ -10,8 +10,8 @@ import torch
 import cp_softcap as cps
 from cp_softcap.doc_geometry import stream_calls
 from cp_softcap.kernels.torch_kernel import TorchKernel
-from cp_softcap.testing import assert_finite, lse_err, rel_err, saturating_qkv, tolerance
-from doc_reference import doc_reference_attention
+from cp_softcap.testing import (assert_finite, lse_err, reference_attention, rel_err, saturating_qkv,
+                                tolerance)
 
 SMALL = TorchKernel(block_q=16, block_k=24)      # blocks much smaller than the documents
 
@@ -29,7 +29,7 @@ IDS = ["causal-pad", "window6", "window20", "bidir-pad", "two-sided"]
 def _reference(q, k, v, dout, cu, causal, window, softcap, dlse=None):
     leaves = [x.detach().to(torch.float64).requires_grad_(True) for x in (q, k, v)]
     w = (None, None) if window is None else window
-    out, lse = doc_reference_attention(*leaves, cu, softcap=softcap, causal=causal, window=w)
+    out, lse = reference_attention(*leaves, cu_seqlens=cu, softcap=softcap, causal=causal, window=w)
     outs, grads_in = [out], [dout.to(torch.float64)]
     if dlse is not None:
         outs.append(lse)

@@ -6,16 +6,10 @@ left side is bounded (fa2_window_standin.py); a call whose rows outnumber its ke
 Geometry: no call of any ring step / block / gathered stream has a left-bounded, right-open
 window over a segment with more rows than keys + 1 (host integers, fast). End to end: the fa2
 adapter over the stand-in at cp 4 (gloo, CPU) against the float64 document reference."""
-import os
-import sys
-
 import pytest
 import torch
 
 from harness import run_ranks
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 DOCS = [1, 39, 560, 5, 295, 90]          # the GPU test's documents: padded stream 1024 at cp 4
 
@@ -58,8 +52,7 @@ def _worker(rank, world, window):
     import torch.distributed as dist
     import cp_softcap as cps
     from cp_softcap.sharding import packed_len, shard
-    from cp_softcap.testing import rel_err
-    from doc_reference import doc_reference_attention
+    from cp_softcap.testing import reference_attention, rel_err
     from fa2_window_standin import fa2_standin_kernel
     cu = _cu(DOCS)
     s, cap = cu[-1] + 14, 30.0
@@ -67,7 +60,7 @@ def _worker(rank, world, window):
     g = torch.Generator().manual_seed(7)
     q, k, v, dout = (torch.randn(1, n, h, 16, generator=g).to(torch.bfloat16) for h in (2, 1, 1, 2))
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    out, _ = doc_reference_attention(*leaves, cu, softcap=cap, causal=True, window=window)
+    out, _ = reference_attention(*leaves, cu_seqlens=cu, softcap=cap, causal=True, window=window)
     out.backward(dout.double())
     local = [shard(t[:, :s], world, rank, cu_seqlens=cu).requires_grad_() for t in (q, k, v)]
     o = cps.cp_attention(*local, dist.group.WORLD, comm="ring", backend=fa2_standin_kernel(),

@@ -6,14 +6,12 @@ all-padding tail and a rank holding only padding; a negative control (boundaries
 fail); one document spanning the stream against the unpacked call; bad boundaries on one rank
 raise on every rank. Each spawn runs every comm type and case (few process groups)."""
 import os
-import sys
 
 import pytest
 import torch
 
 from harness import run_ranks
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 COMMS = ("ring", "all_gather", "a2a", "a2a+p2p", "auto")
 TOL = 1e-9
@@ -47,11 +45,11 @@ def _cases(cp: int):
 
 
 def _reference(q, k, v, dout, cu, opts):
-    from doc_reference import doc_reference_attention
+    from cp_softcap.testing import reference_attention
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     window = opts.get("window") or (None, None)
-    out, _ = doc_reference_attention(*leaves, cu, softcap=opts["softcap"], causal=opts["causal"],
-                                     window=window)
+    out, _ = reference_attention(*leaves, cu_seqlens=cu, softcap=opts["softcap"],
+                                 causal=opts["causal"], window=window)
     out.backward(dout)
     return out.detach(), [t.grad for t in leaves]
 

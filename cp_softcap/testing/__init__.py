@@ -9,8 +9,10 @@ tests use.
     errs = check_against_reference(out, (dq, dk, dv), ref_out, ref_grads, torch.bfloat16)
 
 reference_attention      float64 attention of the full sequence (softcap, causal, window, GQA,
-                         global positions), differentiable; materialises the score matrix
+                         global positions, packed documents via cu_seqlens=), differentiable;
+                         materialises the score matrix
 reference_with_grads     its output, LSE and gradients for a given dout
+masked_attention         float64 attention under any bool [Sq, Sk] visibility mask
 saturating_qkv           inputs whose scores saturate tanh (|s| well above 2 * cap on many entries)
 check_against_reference  max-normalised errors vs the reference, within TOLERANCES per dtype;
                          raises on NaN/inf or a larger error
@@ -20,8 +22,9 @@ check_result             forward + backward of one kernel call against the refer
 from .checks import (GRAD_NAMES, TOLERANCES, assert_cap_matters, assert_finite,
                      bottom_right_positions, check_against_reference, check_result, lse_err,
                      reference_with_grads, rel_err, saturated_fraction, saturating_qkv, tolerance)
-from .reference import reference_attention
+from .reference import masked_attention, reference_attention
 
 __all__ = ["GRAD_NAMES", "TOLERANCES", "assert_cap_matters", "assert_finite", "bottom_right_positions",
-           "check_against_reference", "check_result", "lse_err", "reference_attention",
-           "reference_with_grads", "rel_err", "saturated_fraction", "saturating_qkv", "tolerance"]
+           "check_against_reference", "check_result", "lse_err", "masked_attention",
+           "reference_attention", "reference_with_grads", "rel_err", "saturated_fraction",
+           "saturating_qkv", "tolerance"]

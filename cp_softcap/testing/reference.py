@@ -2,7 +2,11 @@
 the whole [B, H, Sq, Sk] score matrix: for checking results, not for training.
 
 Global window rule: key j visible from query i iff i - left <= j <= i + right, positions given by
-`q_pos`/`k_pos` (default 0..S-1). Rows that see no key give out = 0 and lse = -inf.
+`q_pos`/`k_pos` (default 0..S-1). Packed documents (`cu_seqlens`, tokens [cu[d], cu[d+1]) form
+document d): key j is visible from query i only if both lie in the same document, and the
+window rule holds in stream positions (a window never crosses a document). Tokens at or past
+cu[-1] are padding. Rows that see no key (padding included) give out = 0, lse = -inf and zero
+gradients, never NaN.
 """
 from __future__ import annotations
 
@@ -10,36 +14,67 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..documents import check_cu_seqlens
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                        softcap: Optional[float] = None, causal: bool = False,
-                        window=(None, None), scale: Optional[float] = None,
-                        q_pos: Optional[torch.Tensor] = None, k_pos: Optional[torch.Tensor] = None,
-                        dtype: torch.dtype = torch.float64) -> Tuple[torch.Tensor, torch.Tensor]:
-    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, Dv], lse [B, Hq, Sq]) in `dtype`."""
-    b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    scale = d ** -0.5 if scale is None else scale
+
+def visible_mask(sq: int, sk: int, *, causal: bool = False, window=(None, None),
+                 q_pos: Optional[torch.Tensor] = None, k_pos: Optional[torch.Tensor] = None,
+                 cu_seqlens=None, device=None) -> torch.Tensor:
+    """bool [Sq, Sk]: which keys each query sees under the window rule (and, with cu_seqlens,
+    the document boundaries; then Sq must equal Sk: one stream)."""
+    qp = torch.arange(sq, device=device) if q_pos is None else q_pos.to(device)
+    kp = torch.arange(sk, device=device) if k_pos is None else k_pos.to(device)
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if left is not None:
+        visible &= kp[None, :] >= qp[:, None] - left
+    if right is not None:
+        visible &= kp[None, :] <= qp[:, None] + right
+    if cu_seqlens is not None:
+        if sq != sk:
+            raise ValueError(f"cu_seqlens= (packed documents) needs q and k/v over the same stream: "
+                             f"q has {sq} tokens, k/v have {sk}")
+        cu = check_cu_seqlens(cu_seqlens, sq)
+        ids = torch.full((sq,), -1, dtype=torch.int64, device=device)       # -1: padding
+        for d in range(len(cu) - 1):
+            ids[cu[d]:cu[d + 1]] = d
+        visible &= (ids[:, None] == ids[None, :]) & (ids[:, None] >= 0)
+    return visible
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, *,
+                     softcap: Optional[float] = None, scale: Optional[float] = None,
+                     dtype: torch.dtype = torch.float64) -> Tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], visible bool [Sq, Sk] -> (out [B, Sq, Hq, Dv],
+    lse [B, Hq, Sq]) in `dtype`. Rows with no visible key: out 0, lse -inf, zero gradients."""
+    hq, hkv = q.shape[2], k.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     qd, kd, vd = (x.to(dtype).transpose(1, 2) for x in (q, k, v))
     kd = kd.repeat_interleave(hq // hkv, dim=1)
     vd = vd.repeat_interleave(hq // hkv, dim=1)
     s = torch.matmul(qd, kd.transpose(-1, -2)) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    qp = torch.arange(sq, device=q.device) if q_pos is None else q_pos.to(q.device)
-    kp = torch.arange(sk, device=q.device) if k_pos is None else k_pos.to(q.device)
-    left, right = window if window is not None else (None, None)
-    if causal:
-        right = 0
-    visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-    if left is not None:
-        visible &= kp[None, :] >= qp[:, None] - left
-    if right is not None:
-        visible &= kp[None, :] <= qp[:, None] + right
-    s = s.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
     empty = ~visible.any(-1)
-    p = torch.exp(s - torch.where(empty, torch.zeros_like(lse), lse).unsqueeze(-1))
-    p = p.masked_fill(~visible, 0.0)
+    # Empty rows take a finite stand-in before logsumexp so no -inf - (-inf) reaches the backward.
+    s = s.masked_fill(~visible, float("-inf")).masked_fill(empty[:, None], 0.0)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1)).masked_fill(~visible, 0.0)
     out = torch.matmul(p, vd).transpose(1, 2)
-    return out, lse
+    return out, lse.masked_fill(empty, float("-inf"))
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                        softcap: Optional[float] = None, causal: bool = False,
+                        window=(None, None), scale: Optional[float] = None,
+                        q_pos: Optional[torch.Tensor] = None, k_pos: Optional[torch.Tensor] = None,
+                        cu_seqlens=None, dtype: torch.dtype = torch.float64
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, Dv], lse [B, Hq, Sq]) in `dtype`.
+    cu_seqlens: boundaries [0, e1, ..., T_docs] of packed documents (as `cp_softcap.attention`
+    takes them), or None for one sequence."""
+    visible = visible_mask(q.shape[1], k.shape[1], causal=causal, window=window, q_pos=q_pos,
+                           k_pos=k_pos, cu_seqlens=cu_seqlens, device=q.device)
+    return masked_attention(q, k, v, visible, softcap=softcap, scale=scale, dtype=dtype)
