@@ -97,3 +97,27 @@ def empty_result(q: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.
 def zero_grads(q, k, v):
     """float32 zeros shaped like q, k, v (backward of a pair with no visible key)."""
     return tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+
+
+def fa_forward_empty(kernel, q, k, v):
+    """The start of a flash-attn 2/3 forward: the empty result when q or k has no token (no
+    call to make), else None once the kernel's module is loaded (RuntimeError with the reason
+    it is not)."""
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        return empty_result(q, v)
+    if kernel._interface() is None:
+        raise RuntimeError(kernel._reason)
+    return None
+
+
+def fa_backward_empty(kernel, q, k, v, dlse):
+    """The start of a flash-attn 2/3 backward: ValueError for an LSE gradient (they take none),
+    zero (dq, dk, dv) when q or k has no token, else None once the module is loaded."""
+    if dlse is not None:
+        raise ValueError(f"{kernel.name} has no LSE gradient; the selector should not pick it "
+                         "when the returned LSE is differentiated")
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if kernel._interface() is None:
+        raise RuntimeError(kernel._reason)
+    return None

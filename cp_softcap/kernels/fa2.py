@@ -34,8 +34,8 @@ from typing import Dict, Optional
 import torch
 
 from ..spec import Window
-from ._common import (common_cuda_reason, cuda_arch, empty_result, fa2_lse, fa_window,
-                      missing_params, softcap_value, try_import)
+from ._common import (common_cuda_reason, cuda_arch, fa2_lse, fa_backward_empty, fa_forward_empty,
+                      fa_window, missing_params, softcap_value, try_import)
 from .base import Capabilities, Kernel, check_segments
 
 _MODULE = "flash_attn.flash_attn_interface"
@@ -192,10 +192,9 @@ class FA2Kernel(Kernel):
     def forward(self, q, k, v, *, scale: float, softcap: Optional[float], window: Window,
                 segments=None):
         """q [B,Sq,Hq,D], k/v [B,Sk,Hkv,D] -> out [B,Sq,Hq,Dv], lse [B,Hq,Sq] fp32 (-inf empty)."""
-        if q.shape[1] == 0 or k.shape[1] == 0:
-            return empty_result(q, v)
-        if self._interface() is None:
-            raise RuntimeError(self._reason)
+        empty = fa_forward_empty(self, q, k, v)
+        if empty is not None:
+            return empty
         cap = softcap_value(softcap)
         packed = self._packed(segments, q, k)
         if packed is not None:
@@ -214,13 +213,9 @@ class FA2Kernel(Kernel):
     def backward(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
                         window: Window, dlse: Optional[torch.Tensor] = None, segments=None):
         """(dq, dk, dv) in the input dtype given the final merged out/lse; FA2 has no dlse."""
-        if dlse is not None:
-            raise ValueError("fa2 has no LSE gradient; the selector should not pick it when the "
-                             "returned LSE is differentiated")
-        if q.shape[1] == 0 or k.shape[1] == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        if self._interface() is None:
-            raise RuntimeError(self._reason)
+        empty = fa_backward_empty(self, q, k, v, dlse)
+        if empty is not None:
+            return empty
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         lse_in = lse.float()
         lse_in = torch.where(lse_in == float("-inf"), torch.full_like(lse_in, float("inf")),

@@ -22,8 +22,8 @@ import torch
 
 from ..settings import fa3_enabled
 from ..spec import Window
-from ._common import (common_cuda_reason, cuda_arch, empty_result, fa2_lse, fa_window,
-                      missing_params, softcap_value, try_import)
+from ._common import (common_cuda_reason, cuda_arch, fa2_lse, fa_backward_empty, fa_forward_empty,
+                      fa_window, missing_params, softcap_value, try_import)
 from .base import Capabilities, Kernel, refuse_segments
 
 _MODULE = "flash_attn_interface"
@@ -133,10 +133,9 @@ class FA3Kernel(Kernel):
                 segments=None):
         """q [B,Sq,Hq,D], k/v [B,Sk,Hkv,D] -> out [B,Sq,Hq,Dv], lse [B,Hq,Sq] fp32."""
         refuse_segments(self, segments)
-        if q.shape[1] == 0 or k.shape[1] == 0:
-            return empty_result(q, v)
-        if self._interface() is None:
-            raise RuntimeError(self._reason)
+        empty = fa_forward_empty(self, q, k, v)
+        if empty is not None:
+            return empty
         fn = self._mod._flash_attn_forward
         res = fn(**bind_kwargs(fn, dict(q=q, k=k, v=v, softmax_scale=scale, causal=False,
                                         softcap=softcap_value(softcap)), window))
@@ -146,13 +145,9 @@ class FA3Kernel(Kernel):
                         window: Window, dlse: Optional[torch.Tensor] = None, segments=None):
         """(dq, dk, dv) in the input dtype given the final out/lse (no dLSE in FA3)."""
         refuse_segments(self, segments)
-        if dlse is not None:
-            raise ValueError("fa3 has no LSE gradient; the selector should not pick it when the "
-                             "returned LSE is differentiated")
-        if q.shape[1] == 0 or k.shape[1] == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        if self._interface() is None:
-            raise RuntimeError(self._reason)
+        empty = fa_backward_empty(self, q, k, v, dlse)
+        if empty is not None:
+            return empty
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         fn = self._mod._flash_attn_backward
         fn(**bind_kwargs(fn, dict(dout=dout.to(q.dtype).contiguous(), q=q, k=k, v=v,
