@@ -46,7 +46,9 @@ def _number(name: str, parse, ok, valid: str, default):
 
 
 def timeout_s() -> float:
-    """CP_SOFTCAP_TIMEOUT: seconds a CP collective waits for a peer (default 120)."""
+    """CP_SOFTCAP_TIMEOUT: seconds a CP collective waits for a peer (default 120), where the
+    wait blocks this thread: gloo, and results read on the host (transport.wait says why CUDA
+    tensors over NCCL are bounded by the process group's timeout instead)."""
     return _number("CP_SOFTCAP_TIMEOUT", float, lambda x: math.isfinite(x) and x > 0,
                    "a finite number of seconds > 0", DEFAULT_TIMEOUT_S)
 

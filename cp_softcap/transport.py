@@ -9,8 +9,16 @@ messages of a different call: its receives wait and fail with the timeout error 
 of receiving mis-sized data (which gloo answers by aborting the process). gloo honours tags;
 NCCL matches point-to-point messages in posting order and ignores them.
 
-Every wait is bounded by CP_SOFTCAP_TIMEOUT. Reduce-scatter is an all-to-all plus a local sum
-in rank order: gloo's reduce_scatter ignores the wait's timeout (measured, torch 2.13).
+Waits on gloo, and waits whose result the host reads next (the cross-rank checks), block this
+thread for at most CP_SOFTCAP_TIMEOUT and then raise naming the op and the rank. Waits on CUDA
+tensors over NCCL only order the current stream after the transfer and return at once: torch's
+NCCL wait given a timeout blocks the host thread until the transfer ends, polling every
+millisecond, so the kernels of the next ring step could not be queued while the transfer runs.
+There a stalled peer is caught by NCCL's watchdog after the process group's timeout
+(`init_process_group(timeout=...)`; TORCH_NCCL_BLOCKING_WAIT=1 makes the waiting thread raise
+instead, at the cost of blocking waits), and the error is re-raised naming the op and the rank.
+Reduce-scatter is an all-to-all plus a local sum in rank order: gloo's reduce_scatter ignores
+the wait's timeout (measured, torch 2.13).
 
 gloo cannot send CUDA tensors point-to-point, so when the group's backend is gloo and tensors
 live on CUDA, sends copy to host first and receives land in host buffers copied back after the
@@ -109,8 +117,22 @@ def needs_staging(group, tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and dist.get_backend(group) == "gloo"
 
 
-def wait(work, op: str, group) -> None:
-    """Wait for an async work item, converting a timeout into an actionable error."""
+def stream_ordered(group, tensor: torch.Tensor) -> bool:
+    """Whether a wait for an op on `tensor` only orders the current stream (CUDA tensors over
+    NCCL or another device backend) instead of blocking this thread (see the module docstring)."""
+    return tensor.is_cuda and not needs_staging(group, tensor)
+
+
+def wait(work, op: str, group, on: torch.Tensor, *, host: bool = False) -> None:
+    """Wait for an async work item that writes `on`; host=True when this thread reads the
+    result next (so a bounded, blocking wait costs nothing more). Errors and timeouts become
+    an actionable error naming the op and the rank."""
+    if not host and stream_ordered(group, on):
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise RuntimeError(_timeout_message(op, group, None, e)) from e
+        return
     limit = timeout_s()
     try:
         ok = work.wait(timedelta(seconds=limit))
@@ -120,16 +142,18 @@ def wait(work, op: str, group) -> None:
         raise RuntimeError(_timeout_message(op, group, limit, "wait returned False"))
 
 
-def _timeout_message(op: str, group, limit: float, cause) -> str:
+def _timeout_message(op: str, group, limit: Optional[float], cause) -> str:
     rank = dist.get_rank(group)
     call = current_call()
     where = f" in the {call.text()} on this group" if call is not None else ""
+    after = "the process group's timeout" if limit is None else f"{limit:g}s"
     return (f"cp_softcap: {op}{where} on CP rank {rank} (global rank {dist.get_rank()}) failed or "
-            f"timed out after {limit:g}s ({cause}). A peer rank probably died, stalled, skipped "
+            f"timed out after {after} ({cause}). A peer rank probably died, stalled, skipped "
             "a forward or backward, or made a different call (its messages carry its own call "
             "number and signature, so they are never taken for this call's); every rank of the CP "
             "group must call the same attention layers in the same order with the same shapes and "
-            "options. Raise CP_SOFTCAP_TIMEOUT if the peers are just slow. After this error the "
+            "options. Raise CP_SOFTCAP_TIMEOUT (on NCCL: the process group's timeout) if the peers "
+            "are just slow. After this error the "
             "group is out of step: see README, 'Bad inputs and failure behaviour'.")
 
 
@@ -145,6 +169,7 @@ class Exchange:
         self.tag = 0 if call is None else call.tag(op)
         self.ops: list = []
         self.works: list = []
+        self._on: Optional[torch.Tensor] = None   # a tensor of the exchange: decides how to wait
         self._copies: list = []          # (target, temporary) pairs to copy after the wait
         self._keep_alive: list = []
 
@@ -152,6 +177,7 @@ class Exchange:
         buf = tensor.detach()
         buf = buf.cpu() if needs_staging(self.group, buf) else buf.contiguous()
         self._keep_alive.append(buf)
+        self._on = buf
         count(self.op, buf)
         self.ops.append(dist.P2POp(dist.isend, buf, dist.get_global_rank(self.group, peer), self.group,
                                    self.tag))
@@ -166,6 +192,7 @@ class Exchange:
             buf = target
         if buf is not target:
             self._copies.append((target, buf))
+        self._on = buf
         self.ops.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(self.group, peer), self.group,
                                    self.tag))
         return self
@@ -178,7 +205,7 @@ class Exchange:
 
     def wait(self) -> None:
         for w in self.works:
-            wait(w, self.op, self.group)
+            wait(w, self.op, self.group, self._on)
         for target, buf in self._copies:
             target.copy_(buf)
         self.works, self._copies, self._keep_alive = [], [], []
@@ -198,7 +225,7 @@ def all_gather(x: torch.Tensor, group, op: str, async_op: bool = False):
     work = _all_gather_single(flat, x.contiguous().view(-1), group=group, async_op=True)
     if async_op:
         return out, work
-    wait(work, op, group)
+    wait(work, op, group, flat)
     return out, None
 
 
@@ -218,7 +245,7 @@ def all_to_all(x: torch.Tensor, group, op: str) -> torch.Tensor:
     cp = dist.get_world_size(group)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     count_bytes(op, x[0], cp - 1)
-    wait(dist.all_to_all_single(out, x.contiguous(), group=group, async_op=True), op, group)
+    wait(dist.all_to_all_single(out, x.contiguous(), group=group, async_op=True), op, group, out)
     return out
 
 
@@ -247,7 +274,7 @@ def check_agreement(group, fields: Sequence[Tuple[str, str]], device, what: str,
     mine = torch.tensor([_code(fields)], dtype=torch.float64, device=device)
     cp = dist.get_world_size(group)
     everyone = [torch.empty_like(mine) for _ in range(cp)]
-    wait(dist.all_gather(everyone, mine, group=group, async_op=True), what, group)
+    wait(dist.all_gather(everyone, mine, group=group, async_op=True), what, group, mine, host=True)
     table = torch.cat(everyone).cpu()
     if bool((table == table[0]).all()):
         return
@@ -271,10 +298,10 @@ def _gather_objects(obj, group, device, what: str) -> list:
     cp = dist.get_world_size(group)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(cp)]
     mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    wait(dist.all_gather(sizes, mine, group=group, async_op=True), what, group)
+    wait(dist.all_gather(sizes, mine, group=group, async_op=True), what, group, mine, host=True)
     lengths = [int(t.item()) for t in sizes]
     padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
     padded[:data.numel()] = data
     bufs = [torch.empty_like(padded) for _ in range(cp)]
-    wait(dist.all_gather(bufs, padded, group=group, async_op=True), what, group)
+    wait(dist.all_gather(bufs, padded, group=group, async_op=True), what, group, padded, host=True)
     return [pickle.loads(b[:n].cpu().numpy().tobytes()) for b, n in zip(bufs, lengths)]

@@ -46,7 +46,7 @@ class _Gathered:
     def _half(self, i):
         if self._halves[i] is None:
             buf, work = (self.first, self.w1) if i == 0 else (self.second, self.w2)
-            wait(work, self.op, self.group)
+            wait(work, self.op, self.group, buf)
             hk = (self.k_shape[0], self.half) + tuple(self.k_shape[2:])
             hv = (self.v_shape[0], self.half) + tuple(self.v_shape[2:])
             ranks = range(self.cp) if i == 0 else reversed(range(self.cp))
