@@ -1,35 +1,15 @@
 """attn_implementation="cp_softcap" (cp_softcap.integrations.hf) on one process: HF Gemma2 gives
 eager's logits and gradients (softcap, sliding window, GQA, scaling 1/sqrt(query_pre_attn_scalar)),
 and masks/dropout/positions it cannot honour are refused with errors that say what to do."""
-import copy
-
 import pytest
 import torch
+
+from hf_models import gemma2_pair
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install -e '.[gemma2]')")
 hf_int = pytest.importorskip("cp_softcap.integrations.hf")
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def tiny_config(**kw):
-    base = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=12,
-                sliding_window=16, attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
-    base.update(kw)
-    return transformers.Gemma2Config(**base)
-
-
-def pair(**kw):
-    """The same random weights under eager and under cp_softcap."""
-    cfg = tiny_config(**kw)
-    eager = transformers.Gemma2ForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="eager")
-    with torch.no_grad():
-        for name, p in eager.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.3 if "norm" in name else 0.5))   # saturate the softcap
-    ours = transformers.Gemma2ForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="cp_softcap")
-    ours.load_state_dict(eager.state_dict())
-    return eager, ours
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +26,7 @@ def test_registered_name():
 
 
 def test_logits_and_grads_match_eager():
-    eager, ours = pair()
+    eager, ours = gemma2_pair()
     ids = torch.randint(0, 97, (2, 40))                       # 40 > sliding window 16
     ref, out = eager(input_ids=ids).logits, ours(input_ids=ids).logits
     assert torch.isfinite(out).all()
@@ -61,7 +41,7 @@ def test_logits_and_grads_match_eager():
 
 
 def test_hf_loss_with_shift_labels_and_all_ones_mask():
-    eager, ours = pair()
+    eager, ours = gemma2_pair()
     ids = torch.randint(0, 97, (2, 33))
     a = eager(input_ids=ids, labels=ids).loss
     lab = ids[:, 1:].contiguous()
@@ -71,7 +51,7 @@ def test_hf_loss_with_shift_labels_and_all_ones_mask():
 
 def test_mask_is_not_built():
     """No [S, S] mask is built: the attention function sees None."""
-    _, ours = pair()
+    _, ours = gemma2_pair()
     seen = []
     orig = hf_int._check_mask
     hf_int._check_mask = lambda m: seen.append(m) or orig(m)
@@ -83,7 +63,7 @@ def test_mask_is_not_built():
 
 
 def test_refuses_padding_mask():
-    _, ours = pair()
+    _, ours = gemma2_pair()
     ids = torch.randint(0, 97, (2, 20))
     mask = torch.ones_like(ids)
     mask[1, -3:] = 0
@@ -92,7 +72,7 @@ def test_refuses_padding_mask():
 
 
 def test_refuses_dense_4d_mask():
-    _, ours = pair()
+    _, ours = gemma2_pair()
     ids = torch.randint(0, 97, (1, 20))
     mask = torch.zeros(1, 1, 20, 20)
     with pytest.raises(ValueError, match="dense attention mask"):
@@ -100,7 +80,7 @@ def test_refuses_dense_4d_mask():
 
 
 def test_refuses_dropout():
-    _, ours = pair(attention_dropout=0.1)
+    _, ours = gemma2_pair(attention_dropout=0.1)
     ours.train()
     with pytest.raises(ValueError, match="dropout"):
         ours(input_ids=torch.randint(0, 97, (1, 20)))
@@ -109,7 +89,7 @@ def test_refuses_dropout():
 def test_packed_positions_are_documents():
     """Position resets are document boundaries on one device (tests/test_hf_packed.py checks the
     packed results): the same tokens with and without a reset differ."""
-    _, ours = pair()
+    _, ours = gemma2_pair()
     ids = torch.randint(0, 97, (1, 20))
     with torch.no_grad():
         packed = ours(input_ids=ids, position_ids=torch.cat([torch.arange(10), torch.arange(10)])[None]).logits
@@ -118,7 +98,7 @@ def test_packed_positions_are_documents():
 
 
 def test_generate_with_cache_matches_eager():
-    eager, ours = pair()
+    eager, ours = gemma2_pair()
     eager.eval(), ours.eval()
     ids = torch.randint(0, 97, (1, 12))
     kw = dict(max_new_tokens=6, do_sample=False)

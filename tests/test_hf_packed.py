@@ -5,10 +5,10 @@ cp_softcap itself (logits to 1e-10; gradients to 1e-6, since Gemma2's RMSNorm re
 weight gradients in float32) and through eager (whose softmax runs in float32: 1e-5);
 boundaries from position_ids resets, from the cu_seq_lens_q/k kwargs transformers'
 DataCollatorWithFlattening emits, or from cu_seqlens=; a negative control ignores them."""
-import copy
-
 import pytest
 import torch
+
+from hf_models import gemma2_pair
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install -e '.[gemma2]')")
 hf_int = pytest.importorskip("cp_softcap.integrations.hf")
@@ -18,17 +18,8 @@ LENGTHS = [1, 6, 23, 30]            # a 1-token document, one shorter and two lo
 
 
 def models():
-    cfg = transformers.Gemma2Config(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=12,
-        sliding_window=8, attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
     torch.manual_seed(0)
-    eager = transformers.Gemma2ForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="eager")
-    with torch.no_grad():
-        for name, p in eager.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.3 if "norm" in name else 0.5))   # saturate the softcap
-    ours = transformers.Gemma2ForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="cp_softcap")
-    ours.load_state_dict(eager.state_dict())
+    eager, ours = gemma2_pair(sliding_window=8)
     return eager.double(), ours.double()
 
 

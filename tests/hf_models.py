@@ -1,0 +1,25 @@
+"""Tiny random Gemma2 models for the HF integration tests (callers importorskip transformers
+first)."""
+import copy
+
+import torch
+
+
+def gemma2_pair(**config):
+    """(eager, ours): one tiny random Gemma2ForCausalLM (softcap, sliding window, GQA, scaling
+    1/sqrt(query_pre_attn_scalar)) under attn_implementation "eager" and "cp_softcap", with the
+    same weights, scaled so that the logits saturate the softcap. `config` overrides fields of
+    the Gemma2Config."""
+    import transformers
+    base = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=12,
+                sliding_window=16, attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
+    base.update(config)
+    cfg = transformers.Gemma2Config(**base)
+    eager = transformers.Gemma2ForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in eager.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if "norm" in name else 0.5))   # saturate the softcap
+    ours = transformers.Gemma2ForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="cp_softcap")
+    ours.load_state_dict(eager.state_dict())
+    return eager, ours
