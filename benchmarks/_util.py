@@ -70,6 +70,18 @@ def save(name: str, records: List[Dict], meta: Dict, out_dir: str = RESULTS) -> 
     return path
 
 
+def report(stem: str, records: List[Dict], meta: Dict, rows: List[List[str]], out_dir: str,
+           tag: Optional[str] = None) -> str:
+    """A benchmark's output: save(<stem>[_<tag>]), its plot next to the JSON, the table of rows
+    and the JSON's path printed; returns that path."""
+    from benchmarks.plots import plot_json      # plots imports this module
+    path = save(stem + (f"_{tag}" if tag else ""), records, meta, out_dir)
+    plot_json(path)
+    print(table(rows))
+    print(f"wrote {path}")
+    return path
+
+
 def bar_plot(path: str, labels: List[str], series: Dict[str, List[float]], ylabel: str,
              title: str, hline: float = None) -> None:
     """Grouped bar chart -> PNG (skipped with a note if matplotlib is missing)."""

@@ -24,8 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cp_softcap as cps                                           # noqa: E402
 from cp_softcap.sharding import shard                              # noqa: E402
-from benchmarks._util import OUT_DIR_HELP, out_dir_for, bench_ms, save, table  # noqa: E402
-from benchmarks.plots import plot_json  # noqa: E402
+from benchmarks._util import OUT_DIR_HELP, out_dir_for, bench_ms, report  # noqa: E402
 
 
 def fwd_bwd(fn, q, k, v, dout):
@@ -104,11 +103,7 @@ def main(argv=None) -> int:
         meta = dict(world=world, heads=[hq, hkv, d], softcap=a.softcap, dtype=str(dtype), window=window,
                     backend="nccl" if cuda else "gloo",
                     ratio="max-over-ranks fwd+bwd time / (single-GPU full attention / N)")
-        stem = f"cp_multi_N{world}" + (f"_{a.tag}" if a.tag else "")
-        path = save(stem, records, meta, a.out_dir)
-        plot_json(path)
-        print(table(rows))
-        print(f"wrote {path}")
+        report(f"cp_multi_N{world}", records, meta, rows, a.out_dir, a.tag)
     dist.destroy_process_group()
     return 0
 

@@ -52,41 +52,30 @@ from cp_softcap.layout import block_exclusive, block_plan, key_range, plan_step,
 from cp_softcap.merge import new_accumulator                        # noqa: E402
 from cp_softcap.spec import make_spec                               # noqa: E402
 from cp_softcap.selector import select                              # noqa: E402
-from benchmarks._util import OUT_DIR_HELP, out_dir_for, bench_ms, save, table  # noqa: E402
+from benchmarks._util import OUT_DIR_HELP, out_dir_for, bench_ms, report, save, table  # noqa: E402
 from benchmarks.plots import plot_json  # noqa: E402
 from cp_softcap import doc_geometry as dgeo                         # noqa: E402
 
 PACKED_MIXES = {"longtail": "long-tail", "short": "short"}   # cp_sim name -> packing_balance kind
 
 
-class RankSim:
-    """One rank of a zigzag ring of size cp, doing exactly the ring's kernel calls and merges
-    (layout.ring_blocks / block_plan, ring.forward_calls / backward_calls) on random K/V blocks
-    of the shapes the ring would receive. No communication."""
+class _RingRankSim:
+    """One rank's ring work on random tensors: its self call plus its received blocks, each
+    blocks entry (K block, V block, calls, dK/dV partials other ranks return for our keys, their
+    key ranges, dtype of the partials this rank sends back). No communication."""
 
-    def __init__(self, kernel, s, cp, hq, hkv, d, dtype, dev, softcap, window, keys, rank=0):
-        self.kernel, self.softcap, self.scale, self.window = kernel, softcap, d ** -0.5, window
-        self.c = chunk = s // (2 * cp)
-        L = 2 * chunk
-        mk = lambda n, h: torch.randn(1, n, h, d, device=dev, dtype=dtype)   # noqa: E731
-        self.q, self.k, self.v, self.dout = mk(L, hq), mk(L, hkv), mk(L, hkv), mk(L, hq)
-        self.self_calls = plan_step(cp, rank, rank, chunk, window)
+    def __init__(self, kernel, local_len, hq, hkv, d, dtype, dev, softcap):
+        self.kernel, self.softcap, self.scale = kernel, softcap, d ** -0.5
+        self._rand = lambda n, h: torch.randn(1, n, h, d, device=dev, dtype=dtype)   # noqa: E731
+        L = local_len
+        self.q, self.k, self.v, self.dout = (self._rand(L, hq), self._rand(L, hkv),
+                                             self._rand(L, hkv), self._rand(L, hq))
         self.blocks = []
-        for steps in ring_blocks(cp, L, keys):
-            slots, calls = block_plan(cp, rank, chunk, window, steps)
-            n = sum(sl.k1 - sl.k0 for sl in slots)
-            # the dK/dV partials other ranks return for our keys (added in step order), in the
-            # dtype each sender's block returns (ring.return_dtype); one random tensor stands
-            # for both dK and dV (timing only)
-            rdt = lambda r: return_dtype(kernel, dtype, block_exclusive(cp, r, chunk, window, steps))  # noqa: E731
-            peers = [(rank + st) % cp for st in steps]
-            back = [(kr, rdt(p)) for kr, p in ((key_range(cp, p, rank, chunk, window), p)
-                                              for p in peers) if kr is not None]
-            self.blocks.append((mk(n, hkv), mk(n, hkv), calls,
-                                [torch.randn(1, k1 - k0, hkv, d, device=dev).to(dt)
-                                 for (k0, k1), dt in back],
-                                [kr for kr, _ in back], rdt(rank)))
-        self.calls = len(self.self_calls) + sum(len(b[2]) for b in self.blocks)
+
+    @property
+    def calls(self) -> int:
+        """Kernel calls per forward."""
+        return len(self.self_calls) + sum(len(b[2]) for b in self.blocks)
 
     def forward(self):
         kw = (self.kernel, self.scale, self.softcap)
@@ -97,6 +86,7 @@ class RankSim:
         return acc_o, acc_l
 
     def forward_backward(self):
+        """dQ, dK, dV in the gradient dtype."""
         kw = (self.kernel, self.scale, self.softcap)
         out, lse = self.forward()
         gdt = grad_dtype(self.q.dtype)
@@ -112,49 +102,55 @@ class RankSim:
             for g, (k0, k1) in zip(returned, ranges):
                 dk.add(k0, k1, g)
                 dv.add(k0, k1, g)
-        return tuple(a.result().to(t.dtype) for a, t in ((dq, self.q), (dk, self.k), (dv, self.v)))
+        return tuple(a.result() for a in (dq, dk, dv))
 
 
-class PackedRankSim:
+class RankSim(_RingRankSim):
+    """One rank of a zigzag ring of size cp, doing exactly the ring's kernel calls and merges
+    (layout.ring_blocks / block_plan, ring.forward_calls / backward_calls) on random K/V blocks
+    of the shapes the ring would receive. No communication."""
+
+    def __init__(self, kernel, s, cp, hq, hkv, d, dtype, dev, softcap, window, keys, rank=0):
+        self.window = window
+        self.c = chunk = s // (2 * cp)
+        L = 2 * chunk
+        super().__init__(kernel, L, hq, hkv, d, dtype, dev, softcap)
+        self.self_calls = plan_step(cp, rank, rank, chunk, window)
+        for steps in ring_blocks(cp, L, keys):
+            slots, calls = block_plan(cp, rank, chunk, window, steps)
+            n = sum(sl.k1 - sl.k0 for sl in slots)
+            # the dK/dV partials other ranks return for our keys (added in step order), in the
+            # dtype each sender's block returns (ring.return_dtype); one random tensor stands
+            # for both dK and dV (timing only)
+            rdt = lambda r: return_dtype(kernel, dtype, block_exclusive(cp, r, chunk, window, steps))  # noqa: E731
+            peers = [(rank + st) % cp for st in steps]
+            back = [(kr, rdt(p)) for kr, p in ((key_range(cp, p, rank, chunk, window), p)
+                                              for p in peers) if kr is not None]
+            self.blocks.append((self._rand(n, hkv), self._rand(n, hkv), calls,
+                                [torch.randn(1, k1 - k0, hkv, d, device=dev).to(dt)
+                                 for (k0, k1), dt in back],
+                                [kr for kr, _ in back], rdt(rank)))
+
+    def forward_backward(self):
+        """dQ, dK, dV in the inputs' dtype, as ring_backward returns them."""
+        grads = super().forward_backward()
+        return tuple(g.to(t.dtype) for g, t in zip(grads, (self.q, self.k, self.v)))
+
+
+class PackedRankSim(_RingRankSim):
     """Rank `rank` of a ring over a PackedLayout: self call plus one block per ring step
-    (doc_geometry.block_plan), with random K/V buffers of the received sizes. No communication."""
+    (doc_geometry.block_plan), with random K/V buffers of the received sizes. No communication.
+    Its blocks' dK/dV partials stay in the gradient dtype and no partials come back."""
 
     def __init__(self, kernel, layout, window, hq, hkv, d, dtype, dev, softcap, rank):
-        self.kernel, self.softcap, self.scale = kernel, softcap, d ** -0.5
-        L = layout.local_len
-        mk = lambda n, h: torch.randn(1, n, h, d, device=dev, dtype=dtype)   # noqa: E731
-        self.q, self.k, self.v, self.dout = mk(L, hq), mk(L, hkv), mk(L, hkv), mk(L, hq)
+        super().__init__(kernel, layout.local_len, hq, hkv, d, dtype, dev, softcap)
         self.self_calls = dgeo.step_calls(layout, rank, rank, window)
-        self.blocks = []
         for step in range(1, layout.cp):
             slots, calls = dgeo.block_plan(layout, rank, window, (step,))
             n = sum(sl.size for sl in slots)
             if calls:
-                self.blocks.append((mk(n, hkv), mk(n, hkv), calls))
-        self.calls = len(self.self_calls) + sum(len(b[2]) for b in self.blocks)
-
-    def forward(self):
-        kw = (self.kernel, self.scale, self.softcap)
-        acc_o, acc_l = new_accumulator(self.q.shape, self.v.shape[-1], self.q.dtype, self.q.device)
-        forward_calls(self.q, self.k, self.v, self.self_calls, *kw, acc_o, acc_l)
-        for kb, vb, calls in self.blocks:
-            forward_calls(self.q, kb, vb, calls, *kw, acc_o, acc_l)
-        return acc_o, acc_l
-
-    def forward_backward(self):
-        kw = (self.kernel, self.scale, self.softcap)
-        out, lse = self.forward()
-        gdt = grad_dtype(self.q.dtype)
-        dout, out, dlse = self.kernel.prepare_backward(self.dout, out, None, self.q.dtype)
-        dq, dk, dv = (GradAccumulator(t.shape, gdt, self.q.device)
-                      for t in (self.q, self.k, self.v))
-        backward_calls(dout, self.q, self.k, self.v, out, lse, dlse, self.self_calls, *kw,
-                       dq, dk, dv)
-        for kb, vb, calls in self.blocks:
-            gk, gv = (GradAccumulator(t.shape, gdt, kb.device) for t in (kb, vb))
-            backward_calls(dout, self.q, kb, vb, out, lse, dlse, calls, *kw, dq, gk, gv)
-            gk.result(), gv.result()
-        return tuple(a.result() for a in (dq, dk, dv))
+                self.blocks.append((self._rand(n, hkv), self._rand(n, hkv), calls, [], [],
+                                    grad_dtype(dtype)))
 
 
 def packed_full(kernel, cu, seq_len, window, hq, hkv, d, dtype, dev, softcap, backward):
@@ -371,11 +367,7 @@ def main(argv=None) -> int:
     meta = dict(kernel=name, heads=[hq, hkv, d], softcap=a.softcap, dtype=str(dtype), batch=1,
                 window=a.window, rank=a.rank,
                 ratio="rank time * cp / full causal attention time (same kernel), no communication")
-    stem = "cp_sim" + (f"_{a.tag}" if a.tag else "")
-    path = save(stem, records, meta, a.out_dir)
-    plot_json(path)
-    print(table(rows))
-    print(f"wrote {path}")
+    report("cp_sim", records, meta, rows, a.out_dir, a.tag)
     return 0
 
 

@@ -18,8 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cp_softcap.kernels import get_kernel                              # noqa: E402
-from benchmarks._util import OUT_DIR_HELP, out_dir_for, bench_ms, causal_fwd_flops, save, table  # noqa: E402
-from benchmarks.plots import plot_json  # noqa: E402
+from benchmarks._util import OUT_DIR_HELP, out_dir_for, bench_ms, causal_fwd_flops, report  # noqa: E402
 from benchmarks.kernels import MODELS, cudnn_baseline, raw_kernel     # noqa: E402
 
 
@@ -84,10 +83,7 @@ def main(argv=None) -> int:
     meta = dict(dtype=str(dtype), batch=1, causal=True, softcap=a.softcap,
                 models={m: MODELS[m] for m in a.models},
                 flops="causal fwd 4*B*Hq*S^2*D/2; fwd+bwd 3.5x", timing="do_bench median")
-    path = save("fa4_softcap", records, meta, a.out_dir)
-    plot_json(path)
-    print(table(rows))
-    print(f"wrote {path}")
+    report("fa4_softcap", records, meta, rows, a.out_dir)
     return 0
 
 

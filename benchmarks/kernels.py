@@ -24,9 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cp_softcap as cps                                              # noqa: E402
 from cp_softcap.kernels import get_kernel                             # noqa: E402
 from cp_softcap.spec import make_spec                                 # noqa: E402
-from benchmarks._util import (OUT_DIR_HELP, out_dir_for, bench_ms, causal_fwd_flops, save,  # noqa: E402
-                              table)
-from benchmarks.plots import plot_json  # noqa: E402
+from benchmarks._util import OUT_DIR_HELP, out_dir_for, bench_ms, causal_fwd_flops, report  # noqa: E402
 
 MODELS = {"9B": (16, 8, 256), "27B": (32, 16, 128)}
 
@@ -149,11 +147,7 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
     meta = dict(dtype=str(dtype), batch=1, causal=True, models={m: MODELS[m] for m in a.models},
                 flops="causal fwd 4*B*Hq*S^2*D/2; fwd+bwd 3.5x", timing="do_bench median")
-    stem = "kernels" + (f"_{a.tag}" if a.tag else "")
-    path = save(stem, records, meta, a.out_dir)
-    plot_json(path)
-    print(table(rows))
-    print(f"wrote {path}")
+    report("kernels", records, meta, rows, a.out_dir, a.tag)
     return 0
 
 
