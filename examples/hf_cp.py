@@ -19,12 +19,9 @@ README.md (tests/test_readme.py checks that they agree).
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
-import tempfile
 
-import torch.multiprocessing as mp
+from _launch import cp_size, parse_dp_args, run_ranks   # examples/_launch.py: torchrun or spawned ranks
 
 # [README:hf begin]
 import torch
@@ -110,22 +107,10 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
-def cp_size(world: int, dp: int) -> int:
-    """cp = world / dp, checked: dp divides the world and 2 * cp divides the sequence length."""
-    if dp < 1 or world % dp:
-        raise ValueError(f"--dp {dp} does not divide the number of ranks {world}")
-    cp = world // dp
-    if S % (2 * cp):
-        ok = [c for c in range(1, S // 2 + 1) if S % (2 * c) == 0]
-        raise ValueError(f"{world} ranks with --dp {dp} give cp {cp}, but this example's sequence "
-                         f"length {S} needs 2 * cp to divide it; use cp in {ok}")
-    return cp
-
-
 def run_rank(dp: int) -> int:
     """One rank's whole program, after torch.distributed is initialised. Returns the exit code."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    cp = cp_size(world, dp)
+    cp = cp_size(world, dp, S)
     mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
     model = tiny_gemma2()
     init_weights(model)
@@ -150,43 +135,9 @@ def run_rank(dp: int) -> int:
     return 0 if ok else 1
 
 
-def _spawned(rank: int, world: int, dp: int, init_file: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        code = run_rank(dp)
-    finally:
-        dist.destroy_process_group()
-    if code:
-        sys.exit(code)
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun (default 2)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel size; cp = ranks / dp (default 1)")
-    a = p.parse_args(argv)
-    if "RANK" in os.environ:                                 # under torchrun: one process per rank
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo")
-        try:
-            return run_rank(a.dp)
-        finally:
-            dist.destroy_process_group()
-    try:
-        cp_size(a.nproc, a.dp)
-    except ValueError as e:
-        p.error(str(e))
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.spawn(_spawned, args=(a.nproc, a.dp, os.path.join(tmp, "rendezvous")), nprocs=a.nproc)
-        except mp.ProcessRaisedException as e:
-            print(e, file=sys.stderr)
-            return 1
-        except mp.ProcessExitedException as e:
-            print(f"a rank failed: {e}", file=sys.stderr)
-            return 1
-    return 0
+    a = parse_dp_args(__doc__, argv, nproc=2, dp=1, seq_len=S)
+    return run_ranks(run_rank, a.nproc, a.dp)
 
 
 if __name__ == "__main__":

@@ -16,15 +16,13 @@ README.md (tests/test_readme.py checks that they agree).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import cp_softcap as cps
+from _launch import run_ranks       # examples/_launch.py: torchrun or spawned ranks
 
 # [README:packed begin]
 DOCS = [1, 37, 150, 9, 60, 3]      # document lengths; 260 tokens of documents, then padding
@@ -83,34 +81,11 @@ def run_rank() -> int:
     return 0 if ok else 1
 
 
-def _spawned(rank: int, world: int, init_file: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        if run_rank() != 0:
-            raise SystemExit(1)
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=4, help="ranks to spawn when not under torchrun (default 4)")
     a = p.parse_args(argv)
-    if "RANK" in os.environ:                                 # under torchrun: one process per rank
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo")
-        try:
-            return run_rank()
-        finally:
-            dist.destroy_process_group()
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.spawn(_spawned, args=(a.nproc, os.path.join(tmp, "rendezvous")), nprocs=a.nproc)
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            print(f"a rank failed: {e}", file=sys.stderr)
-            return 1
-    return 0
+    return run_ranks(run_rank, a.nproc)
 
 
 if __name__ == "__main__":
