@@ -27,6 +27,17 @@ def default_text() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
+def read_text(data: Optional[str]) -> str:
+    """The text corpus: default_text() for data None, else the UTF-8 file `data`."""
+    if data is None:
+        return default_text()
+    if not os.path.isfile(data):
+        raise FileNotFoundError(f"--data {data!r} does not exist; pass a UTF-8 text file or a .pt "
+                                "file of token ids (or omit --data for the built-in corpus)")
+    with open(data, encoding="utf-8") as f:
+        return f.read()
+
+
 def load_tokens(data: Optional[str] = None, model_dir: Optional[str] = None) -> torch.Tensor:
     """The whole corpus as one 1-D int64 tensor.
 
@@ -39,14 +50,7 @@ def load_tokens(data: Optional[str] = None, model_dir: Optional[str] = None) -> 
             raise ValueError(f"--data {data!r} must hold a 1-D integer tensor of token ids, got "
                              f"{type(tokens).__name__} {getattr(tokens, 'shape', '')}")
         return tokens.long()
-    if data is None:
-        text = default_text()
-    else:
-        if not os.path.isfile(data):
-            raise FileNotFoundError(f"--data {data!r} does not exist; pass a UTF-8 text file or a .pt "
-                                    "file of token ids (or omit --data for the built-in corpus)")
-        with open(data, encoding="utf-8") as f:
-            text = f.read()
+    text = read_text(data)
     if model_dir is not None:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -82,15 +86,7 @@ def load_documents(data: Optional[str] = None, model_dir: Optional[str] = None,
         bounds = zip([-1] + cuts, cuts + [tokens.numel()])
         docs = [tokens[a + 1:b] for a, b in bounds]
     else:
-        if data is None:
-            text = default_text()
-        else:
-            if not os.path.isfile(data):
-                raise FileNotFoundError(f"--data {data!r} does not exist; pass a UTF-8 text file or "
-                                        "a .pt file of token ids (or omit --data)")
-            with open(data, encoding="utf-8") as f:
-                text = f.read()
-        pieces = [p for p in text.split("\n\n") if p.strip()]
+        pieces = [p for p in read_text(data).split("\n\n") if p.strip()]
         if model_dir is not None:
             from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
