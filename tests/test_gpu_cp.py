@@ -1,8 +1,11 @@
-"""Context parallelism on ONE GPU: 2 and 4 ranks share the GPU through gloo (CUDA tensors staged
-through host memory for point-to-point), with fa4 and flex as the per-chunk kernels, against the
-float64 reference of full attention (saturating softcap, causal and a sliding window).
+"""Context parallelism on GPUs against the float64 reference of full attention (saturating
+softcap, causal and a sliding window), with fa4, fa2 and flex as the per-chunk kernels: on ONE
+GPU 2 and 4 ranks share it through gloo (CUDA tensors staged through host memory for
+point-to-point); with 2 or more GPUs also one rank per GPU over NCCL, the production transport,
+where a stalled peer must end in an error, never a hang.
 
-Skipped without CUDA. Uses tests_dist/harness.py (forkserver ranks, hard timeout).
+Skipped without CUDA (the NCCL cases without enough GPUs). Uses tests_dist/harness.py and
+ranks.py (forkserver ranks, hard timeout).
 """
 import os
 import sys
@@ -16,7 +19,8 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests_dist"))
-from harness import run_ranks  # noqa: E402
+from harness import _CTX, run_ranks  # noqa: E402
+from ranks import failure_text, spawn_ranks  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -129,3 +133,63 @@ def test_a2a_with_replicated_kv_heads_with_fa4():
     float32 on the way back."""
     _skip_unless("fa4")
     run_ranks(_worker, 4, "fa4", "a2a", None, timeout=300)
+
+
+# ---- one rank per GPU over NCCL ----
+
+NCCL_CASES = (("ring", None), ("ring", (200, 0)), ("all_gather", None), ("all_gather", (200, 0)),
+              ("a2a", None), ("auto", None))
+
+
+def _nccl_worker(rank, world, backend):
+    return [_worker(rank, world, backend, comm, window) for comm, window in NCCL_CASES]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("backend", ["fa4", "fa2", "flex"])
+def test_every_comm_over_nccl(backend, world):
+    """Every comm type, causal and windowed, rank r on GPU r (a2a at 4 ranks replicates the 2
+    KV heads); one process group per (kernel, world) for all cases."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs for one rank per GPU, have {torch.cuda.device_count()}")
+    _skip_unless(backend)
+    for errs in run_ranks(_nccl_worker, world, backend, timeout=400, backend="nccl"):
+        print(backend, world, errs)
+
+
+def _stall_worker(rank, world):
+    """A first call on both ranks (its signature is checked then); in the second, rank 1 stalls,
+    so rank 0's first ring message is never answered."""
+    import time
+
+    import torch.distributed as dist
+
+    import cp_softcap as cps
+    x = torch.randn(1, 256, 4, 128, device="cuda", dtype=torch.bfloat16)
+    cps.cp_attention(x, x, x, dist.group.WORLD, comm="ring", softcap=30.0)
+    torch.cuda.synchronize()
+    if rank == 1:
+        time.sleep(600)
+    out = cps.cp_attention(x, x, x, dist.group.WORLD, comm="ring", softcap=30.0)
+    return float(out.float().sum().item())
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_stalled_peer_over_nccl_ends(blocking):
+    """With TORCH_NCCL_BLOCKING_WAIT=1 the waiting rank raises the library's error naming the op
+    and the rank after the process group's timeout; without it NCCL's watchdog ends the waiting
+    process after that timeout. Either way: no hang."""
+    import time
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs for one rank per GPU over NCCL")
+    _skip_unless("flex")
+    env = {"TORCH_NCCL_BLOCKING_WAIT": "1" if blocking else "0", "CP_SOFTCAP_BACKEND": "flex"}
+    t0 = time.monotonic()
+    out, running = spawn_ranks(_stall_worker, 2, (), ctx=_CTX, deadline_s=180, env=env,
+                               pg_timeout=20.0, backend="nccl")
+    took = time.monotonic() - t0
+    print(f"blocking={blocking}: rank 0 ended after {took:.1f}s: {out.get(0)}")
+    assert 0 in out and out[0][0] != "ok", f"rank 0 should have failed: {out}, running {running}"
+    if blocking:
+        text = failure_text(out[0])
+        assert "cp_softcap: ring.fwd" in text and "CP rank 0" in text, text

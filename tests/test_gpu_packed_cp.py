@@ -98,3 +98,21 @@ def test_packed_cp_on_one_gpu(backend, dtype, world, comms, window):
         print(f"{backend} cp={world} {comm} window={window}: worst rel err {worst:.3g}, "
               f"boundaries dropped: {dropped:.3g}")
         assert dropped > 0.1, f"{backend} {comm}: the boundaries-dropped control is too weak"
+
+
+@pytest.mark.parametrize("backend", ["fa2", "flex"])
+@pytest.mark.parametrize("world,comms,window", [
+    (2, ("ring", "all_gather", "a2a", "auto"), None),
+    (4, ("ring", "all_gather", "a2a", "a2a+p2p", "auto"), (100, 0)),
+])
+def test_packed_cp_over_nccl(backend, world, comms, window):
+    """Rank r on GPU r over NCCL (the production transport), packed documents, every comm type."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs for one rank per GPU, have {torch.cuda.device_count()}")
+    _skip_unless(backend, torch.bfloat16)
+    reports = run_ranks(_worker, world, backend, torch.bfloat16, comms, window, timeout=400,
+                        backend="nccl")
+    for comm in comms:
+        dropped = max(r[comm]["dropped"] for r in reports)
+        print(f"{backend} nccl cp={world} {comm} window={window}: boundaries dropped {dropped:.3g}")
+        assert dropped > 0.1, f"{backend} {comm}: the boundaries-dropped control is too weak"

@@ -16,12 +16,13 @@ _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "cp_softcap"])
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, env=None):
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, env=None, backend: str = "gloo"):
     """Run fn(rank, world_size, *args) on each rank; return the list of per-rank return values.
-    Raises AssertionError with the first failing rank's traceback, or on timeout."""
+    Raises AssertionError with the first failing rank's traceback, or on timeout.
+    backend="nccl": rank r on GPU r (needs world_size GPUs)."""
     env = {"CP_SOFTCAP_TIMEOUT": "30", **(env or {})}
     out, running = spawn_ranks(fn, world_size, args, ctx=_CTX, deadline_s=timeout, env=env,
-                               pg_timeout=60.0)
+                               pg_timeout=60.0, backend=backend)
     failed = sorted(r for r, (status, _) in out.items() if status != "ok")
     if failed:
         raise AssertionError(f"rank {failed[0]} of {world_size} failed:\n"

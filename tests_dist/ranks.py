@@ -45,10 +45,11 @@ def failure_text(outcome: Outcome) -> str:
     return value if status == "error" else f"process exited without a report: {exit_text(value)}"
 
 
-def _rank_entry(fn, rank, world, init_file, results, args, env, pg_timeout, pin_cores):
+def _rank_entry(fn, rank, world, init_file, results, args, env, pg_timeout, pin_cores, backend):
     """One rank: env into os.environ, one thread (pinned to core rank % ncores with pin_cores),
-    gloo via the rendezvous file, fn(rank, world, *args); puts (rank, "ok", value) or
-    (rank, "error", traceback), then leaves the process group."""
+    the process group (gloo; or nccl with GPU `rank` as this rank's device) via the rendezvous
+    file, fn(rank, world, *args); puts (rank, "ok", value) or (rank, "error", traceback), then
+    leaves the process group."""
     import torch
     import torch.distributed as dist
     os.environ.update(env)
@@ -60,8 +61,13 @@ def _rank_entry(fn, rank, world, init_file, results, args, env, pg_timeout, pin_
         except (AttributeError, OSError):
             pass
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=pg_timeout))
+        device = None
+        if backend == "nccl":
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=pg_timeout),
+                                device_id=device)
         results.put((rank, "ok", fn(rank, world, *args)))
     except BaseException:   # report everything: assertion failures, KeyboardInterrupt, SystemExit
         results.put((rank, "error", traceback.format_exc()))
@@ -75,7 +81,8 @@ def _rank_entry(fn, rank, world, init_file, results, args, env, pg_timeout, pin_
 
 def spawn_ranks(fn: Callable, world: int, args: Sequence = (), *, ctx="spawn", deadline_s: float,
                 env: Optional[Mapping[str, str]] = None, env_at_start: bool = False,
-                pg_timeout: float = 60.0, pin_cores: bool = False, poll_s: float = 0.5,
+                pg_timeout: float = 60.0, pin_cores: bool = False, backend: str = "gloo",
+                poll_s: float = 0.5,
                 stop_on_failure: bool = True, grace_s: float = 5.0
                 ) -> Tuple[Dict[int, Outcome], List[int]]:
     """Start fn(rank, world, *args) on `world` processes of `ctx` (a multiprocessing context
@@ -88,6 +95,7 @@ def spawn_ranks(fn: Callable, world: int, args: Sequence = (), *, ctx="spawn", d
     children inherit the server's environment, not ours). env_at_start also sets it in this
     process's os.environ while the processes start (restored after): a spawned child then has it
     from exec, which malloc (MALLOC_*) and OpenMP need. pg_timeout: the process group's timeout.
+    backend: "gloo" (CPU, or several ranks sharing a GPU) or "nccl" (rank r on GPU r).
 
     Before returning, every process is gone: when all reported "ok" each may exit by itself
     within grace_s (together); otherwise they get at most 0.5 s; the rest are killed.
@@ -108,7 +116,7 @@ def spawn_ranks(fn: Callable, world: int, args: Sequence = (), *, ctx="spawn", d
         results = ctx.Queue()
         procs = [ctx.Process(target=_rank_entry, daemon=True,
                              args=(fn, r, world, os.path.join(tmp, "rdzv"), results, tuple(args),
-                                   env, pg_timeout, pin_cores))
+                                   env, pg_timeout, pin_cores, backend))
                  for r in range(world)]
         try:
             with _environ(env if env_at_start else {}):
