@@ -36,7 +36,11 @@
 #                                      #   CP tests on one GPU except the fa4 cases, cp_sim --packed
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh multi
 #                                      # (call 2, on a several-GPU kind): cp_multi with every
-#                                      #   comm (a2a+p2p where the GPU count allows), and window 4095
+#                                      #   comm (a2a+p2p where the GPU count allows), and window 4095;
+#                                      #   torch_cp: cps next to PyTorch's own context_parallel
+#   bash .fa4b/install.sh && bash scripts/gpu_check.sh torchcp
+#                                      # (call 2, several GPUs): torch_cp alone (up to 6 minutes),
+#                                      #   when multi's steps together would pass one call's limit
 # Dry run on CPU (no GPU): GPU_CHECK_DRY=1 bash scripts/gpu_check.sh all
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -213,6 +217,12 @@ if [ "$phase" = multi ]; then                   # on a machine with several GPUs
   step "cp_multi: N=$n, Gemma2 local layers (window 4095)"
   timeout 200 torchrun --nproc-per-node "$n" benchmarks/cp_multi.py --rep-ms 150 --window 4095 --tag window ${sizes:+--a2a-size $sizes} 2>&1 | tail -14 || rc=1
   cp $bench_out/cp_multi_N${n}_window.* "$OUT/" 2>/dev/null
+fi
+if [ "$phase" = multi ] || [ "$phase" = torchcp ]; then
+  n=$($PY -c "import torch; print(torch.cuda.device_count())")
+  step "torch_cp: N=$n, cps vs PyTorch's context_parallel (SDPA CP without softcap, flex CP with softcap 50)"
+  timeout 360 torchrun --nproc-per-node "$n" benchmarks/torch_cp.py --rep-ms 150 2>&1 | tail -50 || rc=1
+  cp $bench_out/torch_cp_N$n.json $bench_out/torch_cp_N$n.png "$OUT/" 2>/dev/null
 fi
 step "done rc=$rc"
 exit $rc
