@@ -80,12 +80,12 @@ class _FlexAttention(nn.Module):
         super().__init__()
         from torch.nn.attention.flex_attention import flex_attention
         self.flex = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
-        self.cap = cap
+        # one score_mod for every call: a new closure per call could make dynamo recompile
+        self.score_mod = (lambda s, b, h, q_idx, kv_idx: cap * torch.tanh(s / cap)) if cap else None  # noqa: E731
 
     def forward(self, q, k, v, block_mask):
-        cap = self.cap
-        mod = (lambda s, b, h, qi, ki: cap * torch.tanh(s / cap)) if cap else None  # noqa: E731
-        return self.flex(q, k, v, score_mod=mod, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+        return self.flex(q, k, v, score_mod=self.score_mod, block_mask=block_mask,
+                         enable_gqa=k.shape[1] != q.shape[1])
 
 
 def _causal(b, h, q_idx, kv_idx):
@@ -123,7 +123,8 @@ def _torch_sdpa(full: List[torch.Tensor], mesh, backend: str, rotate: str, gqa: 
 
 def _torch_flex(full: List[torch.Tensor], mesh, cap: float, compiled: bool, rep_ms: int):
     """torch's FlexAttention CP: (timings, local output [B, H, S/N, D], load balancer)."""
-    from torch.distributed.tensor.experimental._context_parallel import (
+    # the module every torch release with CP has had (since 2.9 a re-export of _context_parallel)
+    from torch.distributed.tensor.experimental._attention import (
         _ContextParallel, _context_parallel_shard, _HeadTailLoadBalancer)
     from torch.distributed.tensor.parallel import parallelize_module
     from torch.nn.attention.flex_attention import create_block_mask
@@ -257,6 +258,10 @@ def run(a: argparse.Namespace, rank: int, world: int, cuda: bool) -> Optional[Di
                 shards_match=all(shards_match) if shards_match else None,
                 gqa=(f"torch's SDPA CP runs with enable_gqa=True (kv_heads {hkv}) and with the K/V heads "
                      f"repeated (kv_heads {hq}); cps runs both; torch's flex CP takes GQA natively"),
+                softcap_in_torch=("SDPA has no softcap (no score_mod), so torch's SDPA CP serves only the "
+                                  "no-softcap case; the softcap case uses torch's flex CP"),
+                sdpa_cp_kernels=("torch's SDPA CP dispatches only the CUDA flash / efficient / cuDNN SDPA ops: "
+                                 "on CPU it raises NotImplementedError (recorded)"),
                 flex=("torch's flex CP: _ContextParallel FLEX style + _context_parallel_shard, K/V "
                       "all-gathered (no alltoall, no ring), flex_attention compiled on GPU, eager on CPU"),
                 ratio="torch's fastest variant (same case and S) / this cps time, max-over-ranks medians",
