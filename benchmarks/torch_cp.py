@@ -169,7 +169,8 @@ def _cps(local: List[torch.Tensor], group, cap: float, comm: str, rep_ms: int):
 
 
 def run(a: argparse.Namespace, rank: int, world: int, cuda: bool) -> Optional[Dict]:
-    """Every case and shape on this rank (the process group is up); rank 0 returns the JSON blob."""
+    """Every case and shape on this rank (the process group is up). Rank 0 writes the JSON after
+    each case (meta "complete": false until the last) and returns the blob with its "path"."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -240,9 +241,24 @@ def run(a: argparse.Namespace, rank: int, world: int, cuda: bool) -> Optional[Di
                     r[f"ratio_{key}"] = best[f"{key}_ms"] / r[f"{key}_ms"] if ok else None
             records += torch_recs + cps_recs
             del ref
+            if rank == 0:     # after each case: a run cut short by a time limit keeps what it measured
+                save(_stem(a, world), records, _meta(a, world, dev, dtype, shards_match, complete=False),
+                     a.out_dir)
         del base, inputs
     if rank != 0:
         return None
+    blob = dict(records=records, meta=_meta(a, world, dev, dtype, shards_match, complete=True))
+    blob["path"] = save(_stem(a, world), blob["records"], blob["meta"], a.out_dir)
+    return blob
+
+
+def _stem(a: argparse.Namespace, world: int) -> str:
+    return f"torch_cp_N{world}" + (f"_{a.tag}" if a.tag else "")
+
+
+def _meta(a: argparse.Namespace, world: int, dev: torch.device, dtype: torch.dtype, shards_match: List[bool],
+          complete: bool) -> Dict:
+    hq, hkv, d = a.heads
     kernels = {}
     for case, cap in CASES:
         cap = a.softcap if cap is None else cap
@@ -252,8 +268,9 @@ def run(a: argparse.Namespace, rank: int, world: int, cuda: bool) -> Optional[Di
                 softcap=cap, causal=True, cp_size=world)).name
         except Exception as e:
             kernels[case] = _err(e)
-    meta = dict(cps_kernel=kernels, world=world, heads=[hq, hkv, d], softcap=a.softcap, dtype=str(dtype), causal=True,
-                backend="nccl" if cuda else "gloo", torch_version=torch.__version__,
+    meta = dict(complete=complete, cps_kernel=kernels, world=world, heads=[hq, hkv, d], softcap=a.softcap,
+                dtype=str(dtype), causal=True, backend="nccl" if dev.type == "cuda" else "gloo",
+                torch_version=torch.__version__,
                 local_seqs=a.local_seqs, comms=a.comms, sdpa_backends=a.sdpa_backends, rotate=a.rotate,
                 shards_match=all(shards_match) if shards_match else None,
                 gqa=(f"torch's SDPA CP runs with enable_gqa=True (kv_heads {hkv}) and with the K/V heads "
@@ -266,7 +283,7 @@ def run(a: argparse.Namespace, rank: int, world: int, cuda: bool) -> Optional[Di
                       "all-gathered (no alltoall, no ring), flex_attention compiled on GPU, eager on CPU"),
                 ratio="torch's fastest variant (same case and S) / this cps time, max-over-ranks medians",
                 max_abs_diff="torch's unsharded output vs cps's (first comm, GQA), same inputs")
-    return dict(records=records, meta=meta)
+    return meta
 
 
 def _rank(rank: int, world: int, a: argparse.Namespace) -> Optional[Dict]:
@@ -331,8 +348,7 @@ def main(argv=None) -> int:
         blob = launch_ranks(_rank, world, (a,), timeout=300, pg_timeout=120)[0]
     if blob is None:
         return 0
-    stem = f"torch_cp_N{world}" + (f"_{a.tag}" if a.tag else "")
-    path = save(stem, blob["records"], blob["meta"], a.out_dir)
+    path = blob["path"]
     from benchmarks.plots import plot_json
     plot_json(path)
     rows = [["S/N", "case", "system", "method", "kv", "fwd ms", "fwd+bwd ms", "ratio fwd", "ratio f+b",

@@ -34,7 +34,7 @@ def blob(tmp_path_factory):
 
 def test_records_cover_every_system_case_and_shape(blob):
     recs, meta = blob["records"], blob["meta"]
-    assert meta["world"] == 2 and meta["backend"] == "gloo"
+    assert meta["world"] == 2 and meta["backend"] == "gloo" and meta["complete"] is True
     assert meta["shards_match"] is True, "torch's head-tail shards are not cps's zigzag shards"
     hq, hkv, _ = meta["heads"]
     for s_local in meta["local_seqs"]:
