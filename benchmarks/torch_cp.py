@@ -93,7 +93,8 @@ def _causal(b, h, q_idx, kv_idx):
 
 
 def _torch_sdpa(full: List[torch.Tensor], mesh, backend: str, rotate: str, gqa: bool, rep_ms: int):
-    """torch's SDPA CP on buffers [B, H, S, D] it shards in place: (timings, local output)."""
+    """torch's SDPA CP on buffers [B, H, S, D] it shards in place: (timings, local output or None,
+    this rank's query shard as torch cut it)."""
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import set_rotate_method
     from torch.nn.attention import SDPBackend, sdpa_kernel
