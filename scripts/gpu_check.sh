@@ -34,13 +34,18 @@
 #   bash scripts/gpu_check.sh packed   # ONE call, carry [".fa2"] (no fa4): flash-attn 2 and flex
 #                                      #   with packed documents (segments), kernels, autocast and
 #                                      #   CP tests on one GPU except the fa4 cases, cp_sim --packed
+# On a several-GPU kind, in this order (each is call 2 of a pair, after .fa4a's call 1):
+#   bash .fa4b/install.sh && bash scripts/gpu_check.sh nccl
+#                                      # CP tests over NCCL, one rank per GPU: every comm type,
+#                                      #   causal, window, packed documents; a stalled peer
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh multi
-#                                      # (call 2, on a several-GPU kind): cp_multi with every
-#                                      #   comm (a2a+p2p where the GPU count allows), and window 4095;
-#                                      #   torch_cp: cps next to PyTorch's own context_parallel
+#                                      # cp_multi with every comm (a2a+p2p where the GPU count
+#                                      #   allows), and window 4095
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh torchcp
-#                                      # (call 2, several GPUs): torch_cp alone (up to 6 minutes),
-#                                      #   when multi's steps together would pass one call's limit
+#                                      # torch_cp: cps next to PyTorch's own context_parallel
+#   bash .fa4b/install.sh && bash scripts/gpu_check.sh gemma2multi
+#                                      # Gemma2 training with cp = every GPU, FSDP2, selective AC
+#                                      #   (9b with 8+ GPUs, else 2b), seq 32768
 # Dry run on CPU (no GPU): GPU_CHECK_DRY=1 bash scripts/gpu_check.sh all
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -208,6 +213,20 @@ if [ "$phase" = native ]; then                  # after fa4 is installed
       --block-keys 32768 --profile --tag native_profile 2>&1 | grep -v USDT | tail -36 || rc=1
   cp $bench_out/cp_sim_native*.json $bench_out/cp_sim_native*.png "$OUT/" 2>/dev/null
 fi
+if [ "$phase" = nccl ]; then                    # several GPUs; fa2 cases skip without flash-attn 2
+  step "GPU CP tests over NCCL, one rank per GPU: every comm type, window, packed documents, stalled peer"
+  timeout 540 $PY -m pytest tests/test_gpu_cp.py tests/test_gpu_packed_cp.py -k nccl -q -rs \
+      -p no:cacheprovider 2>&1 | tee "$OUT/pytest_nccl.log" | grep -v "^SKIPPED" | tail -30 || rc=1
+fi
+if [ "$phase" = gemma2multi ]; then
+  n=$($PY -c "import torch; print(torch.cuda.device_count())")
+  cfg=2b; [ "$n" -ge 8 ] && cfg=9b
+  step "Gemma2 $cfg, seq 32768, cp=$n, FSDP2, selective AC: the memory plan, then 8 steps"
+  g2="--config $cfg --seq-len 32768 --batch-size 1 --fsdp --ac selective"
+  $PY examples/gemma2/train.py --plan --world-size "$n" $g2 2>&1 | tail -25 | tee "$OUT/gemma2_plan.txt"
+  timeout 480 torchrun --nproc-per-node "$n" examples/gemma2/train.py $g2 --max-steps 8 --log-every 1 --no-progress \
+      --metrics "$OUT/gemma2_${cfg}_32k_cp$n.json" 2>&1 | tail -30 || rc=1
+fi
 if [ "$phase" = multi ]; then                   # on a machine with several GPUs (fa4 installed)
   n=$($PY -c "import torch; print(torch.cuda.device_count())")
   sizes=""; for a in 2 4; do [ $((n % a)) = 0 ] && [ "$a" -lt "$n" ] && sizes="$sizes $a"; done
@@ -218,7 +237,7 @@ if [ "$phase" = multi ]; then                   # on a machine with several GPUs
   timeout 200 torchrun --nproc-per-node "$n" benchmarks/cp_multi.py --rep-ms 150 --window 4095 --tag window ${sizes:+--a2a-size $sizes} 2>&1 | tail -14 || rc=1
   cp $bench_out/cp_multi_N${n}_window.* "$OUT/" 2>/dev/null
 fi
-if [ "$phase" = multi ] || [ "$phase" = torchcp ]; then
+if [ "$phase" = torchcp ]; then
   n=$($PY -c "import torch; print(torch.cuda.device_count())")
   step "torch_cp: N=$n, cps vs PyTorch's context_parallel (SDPA CP without softcap, flex CP with softcap 50)"
   timeout 360 torchrun --nproc-per-node "$n" benchmarks/torch_cp.py --rep-ms 150 2>&1 | tail -50 || rc=1
