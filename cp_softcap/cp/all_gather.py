@@ -26,7 +26,7 @@ from ..spec import grad_dtype
 from ..transport import all_gather, reduce_scatter, wait
 from .calls import backward_into, stream_order, write_calls
 from .grad_accum import GradAccumulator
-from .guard import guarded
+from .guard import shard_function
 from .packing import pack, unpack
 
 
@@ -79,67 +79,61 @@ def _chunk_calls(cp: int, rank: int, chunk: int, window):
     return out
 
 
-@guarded
-class AllGatherAttention(torch.autograd.Function):
+def all_gather_forward(q, k, v, plan):
+    """-> (out in the accumulation dtype, lse) of this rank's query shards."""
+    zz, spec = plan.zigzag, plan.spec
+    if zz.documents is not None:
+        return _packed_forward(q, k, v, plan)
+    kv = _Gathered(k, v, zz.group, zz.size, "all_gather.fwd.kv")
+    acc = grad_dtype(q.dtype)
+    out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:1] + (q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
+    for row, call in _chunk_calls(zz.size, zz.rank, zz.chunk, zz.window):
+        if call is None:
+            continue
+        q0, q1, k0, k1, w = call
+        ks, vs = kv.keys(k0, k1)
+        o, l = plan.kernel.forward(q[:, row + q0:row + q1], ks, vs, scale=spec.scale,
+                                   softcap=spec.softcap, window=w)
+        out[:, row + q0:row + q1] = o
+        lse[:, :, row + q0:row + q1] = l
+    return out, lse
 
-    @staticmethod
-    def forward(ctx, q, k, v, plan):
-        zz, spec = plan.zigzag, plan.spec
-        ctx.plan = plan
-        if zz.documents is not None:
-            out, lse = _packed_forward(q, k, v, plan)
-            ctx.save_for_backward(q, k, v, out, lse)
-            return out.to(q.dtype)
-        kv = _Gathered(k, v, zz.group, zz.size, "all_gather.fwd.kv")
-        acc = grad_dtype(q.dtype)
-        out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=acc, device=q.device)
-        lse = torch.full(q.shape[:1] + (q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
-        for row, call in _chunk_calls(zz.size, zz.rank, zz.chunk, zz.window):
-            if call is None:
-                continue
-            q0, q1, k0, k1, w = call
-            ks, vs = kv.keys(k0, k1)
-            o, l = plan.kernel.forward(q[:, row + q0:row + q1], ks, vs, scale=spec.scale,
-                                       softcap=spec.softcap, window=w)
-            out[:, row + q0:row + q1] = o
-            lse[:, :, row + q0:row + q1] = l
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan
-        return out.to(q.dtype)
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        plan = ctx.plan
-        zz, spec, kernel = plan.zigzag, plan.spec, plan.kernel
-        if zz.documents is not None:
-            return _packed_backward(dout, q, k, v, out, lse, plan) + (None,)
-        kv = _Gathered(k, v, zz.group, zz.size, "all_gather.bwd.kv")
-        # once per backward, not per call (e.g. fa4 casts the float32 O and corrects D here)
-        dout, out, dlse = kernel.prepare_backward(dout, out, None, q.dtype)
-        gdt = grad_dtype(q.dtype)
-        total = 2 * zz.size * zz.chunk
-        dq = GradAccumulator(q.shape, gdt, q.device)
-        dk_full = GradAccumulator((k.shape[0], total) + tuple(k.shape[2:]), gdt, q.device)
-        dv_full = GradAccumulator((v.shape[0], total) + tuple(v.shape[2:]), gdt, q.device)
-        for row, call in _chunk_calls(zz.size, zz.rank, zz.chunk, zz.window):
-            if call is None:
-                continue
-            q0, q1, k0, k1, w = call
-            ks, vs = kv.keys(k0, k1)
-            rows = slice(row + q0, row + q1)
-            gq, gk, gv = kernel.backward(dout[:, rows], q[:, rows], ks, vs, out[:, rows],
-                                         lse[:, :, rows], scale=spec.scale, softcap=spec.softcap,
-                                         window=w, dlse=None if dlse is None else dlse[:, :, rows])
-            dq.add(rows.start, rows.stop, gq)
-            dk_full.add(k0, k1, gk)
-            dv_full.add(k0, k1, gv)
-        # reorder global dK/dV into per-owner zigzag slots and reduce-scatter in float32
-        dk_full, dv_full = dk_full.result(), dv_full.result()
-        slots = torch.stack([pack(*_owner_shard(dk_full, dv_full, zz.size, r)) for r in range(zz.size)])
-        mine = reduce_scatter(slots, zz.group, "all_gather.bwd.dkv")
-        dk, dv = unpack(mine, k.shape, v.shape)
-        return dq.result().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+def all_gather_backward(dout, q, k, v, out, lse, plan):
+    """-> (dq, dk, dv) of this rank's shards; out/lse: what all_gather_forward returned."""
+    zz, spec, kernel = plan.zigzag, plan.spec, plan.kernel
+    if zz.documents is not None:
+        return _packed_backward(dout, q, k, v, out, lse, plan)
+    kv = _Gathered(k, v, zz.group, zz.size, "all_gather.bwd.kv")
+    # once per backward, not per call (e.g. fa4 casts the float32 O and corrects D here)
+    dout, out, dlse = kernel.prepare_backward(dout, out, None, q.dtype)
+    gdt = grad_dtype(q.dtype)
+    total = 2 * zz.size * zz.chunk
+    dq = GradAccumulator(q.shape, gdt, q.device)
+    dk_full = GradAccumulator((k.shape[0], total) + tuple(k.shape[2:]), gdt, q.device)
+    dv_full = GradAccumulator((v.shape[0], total) + tuple(v.shape[2:]), gdt, q.device)
+    for row, call in _chunk_calls(zz.size, zz.rank, zz.chunk, zz.window):
+        if call is None:
+            continue
+        q0, q1, k0, k1, w = call
+        ks, vs = kv.keys(k0, k1)
+        rows = slice(row + q0, row + q1)
+        gq, gk, gv = kernel.backward(dout[:, rows], q[:, rows], ks, vs, out[:, rows],
+                                     lse[:, :, rows], scale=spec.scale, softcap=spec.softcap,
+                                     window=w, dlse=None if dlse is None else dlse[:, :, rows])
+        dq.add(rows.start, rows.stop, gq)
+        dk_full.add(k0, k1, gk)
+        dv_full.add(k0, k1, gv)
+    # reorder global dK/dV into per-owner zigzag slots and reduce-scatter in float32
+    dk_full, dv_full = dk_full.result(), dv_full.result()
+    slots = torch.stack([pack(*_owner_shard(dk_full, dv_full, zz.size, r)) for r in range(zz.size)])
+    mine = reduce_scatter(slots, zz.group, "all_gather.bwd.dkv")
+    dk, dv = unpack(mine, k.shape, v.shape)
+    return dq.result().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+AllGatherAttention = shard_function("AllGatherAttention", all_gather_forward, all_gather_backward)
 
 
 def _owner_shard(dk_full, dv_full, cp, r):

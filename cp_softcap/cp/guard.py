@@ -133,3 +133,27 @@ def guarded(function: type) -> type:
     function.forward = staticmethod(functools.wraps(forward)(guarded_forward))
     function.backward = staticmethod(functools.wraps(backward)(guarded_backward))
     return function
+
+
+def shard_function(name: str, forward, backward) -> type:
+    """The guarded autograd.Function (q, k, v, plan) -> out of a scheme that attends with this
+    rank's own shards as queries: forward(q, k, v, plan) -> (out, lse), out in the accumulation
+    dtype; backward(dout, q, k, v, out, lse, plan) -> (dq, dk, dv)."""
+
+    def function_forward(ctx, q, k, v, plan):
+        out, lse = forward(q, k, v, plan)
+        # The backward gets the merged output in the accumulation dtype: D = rowsum(dO * O)
+        # computed from a 16-bit O loses the gradient of near one-hot (saturated) rows.
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
+        return out.to(q.dtype)
+
+    def function_backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = backward(dout, q, k, v, out, lse, ctx.plan)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+    return guarded(type(name, (torch.autograd.Function,),
+                        {"forward": staticmethod(function_forward),
+                         "backward": staticmethod(function_backward),
+                         "__module__": forward.__module__}))

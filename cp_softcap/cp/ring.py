@@ -42,7 +42,7 @@ from ..spec import grad_dtype
 from ..transport import Exchange
 from . import calls as geo
 from .grad_accum import GradAccumulator
-from .guard import guarded
+from .guard import shard_function
 
 
 class _Block:
@@ -161,20 +161,4 @@ class _GradReturn:
                 dv.add(k0, k1, pv)
 
 
-@guarded
-class RingAttention(torch.autograd.Function):
-
-    @staticmethod
-    def forward(ctx, q, k, v, plan):
-        out, lse = ring_forward(q, k, v, plan)
-        # The backward gets the float32 merged output: D = rowsum(dO * O) computed from a
-        # 16-bit O loses the gradient of near one-hot (saturated) rows.
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan
-        return out.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.plan)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+RingAttention = shard_function("RingAttention", ring_forward, ring_backward)
