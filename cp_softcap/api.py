@@ -18,7 +18,8 @@ from .cp.guard import autocast_off, refuse_second_order
 from .cp.ring import RingAttention
 from .export import export_attention, is_exporting
 from .kernels.torch_kernel import TorchKernel
-from .packed_local import check_packed, packed_attention
+from .packed_local import (check_packed, packed_attention, save_for_local_backward,
+                           saved_for_local_backward)
 from .plan import Backend, check_group, local_plan, plan_for, resolve_groups, spec_for
 from .spec import check_comm, check_qkv, normalize_softcap, normalize_window
 
@@ -35,23 +36,16 @@ class _LocalAttention(torch.autograd.Function):
         spec = plan.spec
         out, lse = plan.kernel.forward(q, k, v, scale=spec.scale, softcap=spec.softcap,
                                        window=spec.window)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan
-        # An unused output's gradient arrives as None (not zeros): an unused LSE costs nothing
-        # and needs no host sync to detect.
-        ctx.set_materialize_grads(False)
-        return out.to(q.dtype), lse
+        return save_for_local_backward(ctx, plan, q, k, v, out, lse)
 
     @staticmethod
     @autocast_off
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, dout = saved_for_local_backward(ctx, dout)
         spec = ctx.plan.spec
-        if dout is None:
-            dout = torch.zeros(out.shape, dtype=q.dtype, device=q.device)
         # one call, nothing to accumulate: the kernel's own dtype, cast once (a no-op for the
         # flash-attn family, whose gradients already have the inputs' dtype)
-        dq, dk, dv = ctx.plan.kernel.backward(dout.contiguous(), q, k, v, out, lse,
+        dq, dk, dv = ctx.plan.kernel.backward(dout, q, k, v, out, lse,
                                               scale=spec.scale, softcap=spec.softcap,
                                               window=spec.window, dlse=dlse)
         grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))

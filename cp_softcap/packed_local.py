@@ -32,6 +32,25 @@ def check_packed(q: torch.Tensor, k: torch.Tensor, cu_seqlens) -> Tuple[int, ...
     return check_cu_seqlens(cu_seqlens, q.shape[1])
 
 
+def save_for_local_backward(ctx, plan, q, k, v, out, lse):
+    """The end of a one-device forward that returns (out, lse): keeps what its backward needs
+    and returns (out in q's dtype, lse). An unused output's gradient then arrives as None (not
+    zeros): an unused LSE costs nothing and needs no host sync to detect."""
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.plan = plan
+    ctx.set_materialize_grads(False)
+    return out.to(q.dtype), lse
+
+
+def saved_for_local_backward(ctx, dout):
+    """(q, k, v, out, lse, dout) of save_for_local_backward, dout contiguous (zeros when the
+    output was unused)."""
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros(out.shape, dtype=q.dtype, device=q.device)
+    return q, k, v, out, lse, dout.contiguous()
+
+
 def packed_attention(q, k, v, plan, cu: Tuple[int, ...]):
     """(out in q's dtype, lse) of a packed stream under `plan` (its spec has documents=True)."""
     return PackedAttention.apply(q, k, v, plan, stream_calls(cu, q.shape[1], plan.spec.window))
@@ -50,20 +69,16 @@ class PackedAttention(torch.autograd.Function):
         write_calls(plan.kernel, q, k, v, calls, spec.scale, spec.softcap, out, lse)
         if acc == torch.float32:
             lse = lse.float()
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.calls = plan, calls
-        ctx.set_materialize_grads(False)
-        return out.to(q.dtype), lse
+        ctx.calls = calls
+        return save_for_local_backward(ctx, plan, q, k, v, out, lse)
 
     @staticmethod
     @autocast_off
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, dout = saved_for_local_backward(ctx, dout)
         spec, kernel = ctx.plan.spec, ctx.plan.kernel
-        if dout is None:
-            dout = torch.zeros(out.shape, dtype=q.dtype, device=q.device)
         acc = grad_dtype(q.dtype)
         dq, dk, dv = (GradAccumulator(x.shape, acc, x.device) for x in (q, k, v))
-        backward_into(kernel, dout.contiguous(), q, k, v, out, lse, dlse, ctx.calls, spec.scale,
+        backward_into(kernel, dout, q, k, v, out, lse, dlse, ctx.calls, spec.scale,
                       spec.softcap, dq, dk, dv)
         return dq.result().to(q.dtype), dk.result().to(k.dtype), dv.result().to(v.dtype), None, None
