@@ -1,9 +1,10 @@
 """Robustness under CP (gloo, CPU, world 2): autocast, double backward, a stalled peer at every
 op of every comm type, a rank that skips a backward, divergent calls, a bad input only one rank
 has. Every multi-process case runs under a hard deadline and ends in seconds: the waits are
-bounded by a small CP_SOFTCAP_TIMEOUT."""
+bounded by a small CP_SOFTCAP_TIMEOUT, set after the warm-up calls."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -13,10 +14,20 @@ from harness import _CTX
 from ranks import spawn_ranks
 
 TIMEOUT_S = 1.0
-STALL_TIMEOUT_S = 2.0       # the stall cases run warm-up calls too: room for a loaded CI machine
+STALL_TIMEOUT_S = 2.0
+WARM_TIMEOUT_S = 30.0       # before a worker arms the short timeout: rank start-up and first calls
 
 
-def spawn(fn, world, *args, deadline_s=90.0, timeout_s=TIMEOUT_S):
+def arm(seconds=TIMEOUT_S):
+    """The short CP_SOFTCAP_TIMEOUT (read at call time) for the calls that follow, after a
+    barrier: on a loaded machine one rank can start or warm up later than the other by more
+    than the short timeout, which would fail a warm-up call instead of the measured one."""
+    import torch.distributed as dist
+    dist.barrier()
+    os.environ["CP_SOFTCAP_TIMEOUT"] = str(seconds)
+
+
+def spawn(fn, world, *args, deadline_s=90.0, timeout_s=WARM_TIMEOUT_S):
     """{rank: ("ok", value) | ("error", traceback) | ("exit", code)}; a rank that raises or dies
     is an outcome to check, not a test failure. Every process is gone on return."""
     out, running = spawn_ranks(fn, world, args, ctx=_CTX, deadline_s=deadline_s, pg_timeout=60.0,
@@ -112,6 +123,7 @@ def _double_backward_worker(rank, world, comm):
     _, (ql, kl, vl, dl) = _inputs(rank, world, torch.float32, 5.0, seed=3)
     q, k, v = (t.clone().requires_grad_(True) for t in (ql, kl, vl))
     plain = torch.autograd.grad((cps.cp_attention(q, k, v, group, softcap=5.0, comm=comm) * dl).sum(), q)[0]
+    arm()
     loss = (cps.cp_attention(q, k, v, group, softcap=5.0, comm=comm) * dl).sum()
     (gq,) = torch.autograd.grad(loss, q, create_graph=True)
     first_order_exact = torch.equal(gq.detach(), plain)
@@ -181,10 +193,12 @@ def _stall_worker(rank, world, comm, ops):
     import cp_softcap as cps
     report = []
     for op in ops:
+        os.environ["CP_SOFTCAP_TIMEOUT"] = str(WARM_TIMEOUT_S)
         group = dist.new_group([0, 1])
         _, (ql, kl, vl, dl) = _inputs(rank, world, torch.float32, 5.0, seed=1, s=16)
         q, k, v = (t.clone().requires_grad_(True) for t in (ql, kl, vl))
         cps.cp_attention(q, k, v, group, softcap=5.0, comm=comm).backward(dl)    # warm-up
+        arm(STALL_TIMEOUT_S)
         if rank == 1:
             restore = _stall_at(op)
             try:
@@ -198,14 +212,13 @@ def _stall_worker(rank, world, comm, ops):
         else:
             report.append((op, _timed(lambda: cps.cp_attention(q, k, v, group, softcap=5.0,
                                                                 comm=comm).backward(dl))))
-            time.sleep(0.6)    # the peer's stall has ended: both start the next op together
     return report
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("comm", sorted(OPS))
 def test_stalled_peer_at_every_op_is_detected_within_timeout(comm):
-    out = spawn(_stall_worker, 2, comm, OPS[comm], timeout_s=STALL_TIMEOUT_S)
+    out = spawn(_stall_worker, 2, comm, OPS[comm])
     status, stalled = out[1]
     assert status == "ok" and all(s == "stalled" for _, s in stalled), stalled
     status, report = out[0]
@@ -228,11 +241,13 @@ def _skip_batch_worker(rank, world, comm):
     _, (ql, kl, vl, dl) = _inputs(rank, world, torch.float32, 5.0, seed=5, s=16)
     q, k, v = (t.clone().requires_grad_(True) for t in (ql, kl, vl))
     cps.cp_attention(q, k, v, group, softcap=5.0, comm=comm).backward(dl)     # warm-up
+    arm()
     out = cps.cp_attention(q, k, v, group, softcap=5.0, comm=comm)
     if rank == 1:
         result = _timed(lambda: cps.cp_attention(q, k, v, group, softcap=5.0, comm=comm))
     else:
         result = _timed(lambda: out.backward(dl))
+    os.environ["CP_SOFTCAP_TIMEOUT"] = str(WARM_TIMEOUT_S)
     time.sleep(TIMEOUT_S + 0.5)        # both have failed: start the recovery together
     fresh = dist.new_group([0, 1]) if comm != "a2a+p2p" else cps.make_hybrid_groups(None, 1)
     q.grad = None
@@ -269,6 +284,7 @@ def _diverge_worker(rank, world, comm):
     _, (ql, kl, vl, _) = _inputs(rank, world, torch.float32, 5.0, seed=6, s=16)
     for cap in (5.0, 50.0):
         cps.cp_attention(ql, kl, vl, group, softcap=cap, comm=comm)
+    arm()
     return _timed(lambda: cps.cp_attention(ql, kl, vl, group, softcap=5.0 if rank == 0 else 50.0,
                                            comm=comm))
 
@@ -303,7 +319,7 @@ def _one_rank_bad_worker(rank, world):
 
 @pytest.mark.timeout(60)
 def test_bad_input_on_one_rank_fails_every_rank_at_once():
-    out = spawn(_one_rank_bad_worker, 2, timeout_s=30.0)
+    out = spawn(_one_rank_bad_worker, 2)
     (s0, (t0, m0)), (s1, (t1, m1)) = out[0], out[1]
     assert s0 == s1 == "ok"
     assert m0 and m0.startswith("ValueError") and "inputs differs (rank 0: valid, rank 1: invalid on CP rank 1" in m0, m0
