@@ -298,20 +298,25 @@ def _remember(plans: dict, key: tuple, plan: Plan) -> None:
             del plans[old]
 
 
-# The last boundaries tensor and its layout: every layer of a step passes the same tensor, and
-# reading it (a device sync when it lives on the GPU) and validating it again would cost each
-# layer ~40 us of host time. Its version counter says whether it was written to since; holding
-# it keeps its identity from being reused by another tensor.
-_LAST_BOUNDARIES: list = [None]         # (tensor, (version, local_len, cp), layout)
+# The last boundaries and their layout: every layer of a step passes the same boundaries, and
+# validating them and finding their layout again would cost each layer ~40 us of host time. The
+# cache is keyed on the VALUES (read each call, so a tensor refilled in place, however, is never
+# taken for its old contents); a CUDA tensor costs a device sync per call to read, so pass a
+# list or a CPU tensor.
+_LAST_BOUNDARIES: list = [None]         # ((values, local_len, cp), layout)
 
 
-def _tensor_key(cu_seqlens, local_len: int, cp: int):
-    if not isinstance(cu_seqlens, torch.Tensor):
-        return None
-    try:
-        return (cu_seqlens._version, local_len, cp)
-    except RuntimeError:                # inference tensors keep no version counter
-        return None
+def _boundary_values(cu_seqlens):
+    """The boundaries as a tuple of ints when they are a 1-D integer tensor or a list/tuple of
+    ints (the cache key); None for anything else (validated in full every call)."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() \
+                or cu_seqlens.dtype == torch.bool:
+            return None
+        return tuple(cu_seqlens.tolist())
+    if isinstance(cu_seqlens, (list, tuple)) and all(type(v) is int for v in cu_seqlens):
+        return tuple(cu_seqlens)
+    return None
 
 
 def _documents(cu_seqlens, local_len: int, cp: int, rank: int):
@@ -319,15 +324,16 @@ def _documents(cu_seqlens, local_len: int, cp: int, rank: int):
     local_len tokens (the layout's local length, sharding.shard(..., cu_seqlens=))."""
     if cu_seqlens is None:
         return None, None
-    key, last = _tensor_key(cu_seqlens, local_len, cp), _LAST_BOUNDARIES[0]
-    if key is not None and last is not None and last[0] is cu_seqlens and last[1] == key:
-        return last[2], None
+    values = _boundary_values(cu_seqlens)
+    key, last = (values, local_len, cp), _LAST_BOUNDARIES[0]
+    if values is not None and last is not None and last[0] == key:
+        return last[1], None
     try:
-        layout = layout_for(cu_seqlens, local_len * cp, cp, rank=rank)
+        layout = layout_for(values if values is not None else cu_seqlens, local_len * cp, cp, rank=rank)
     except (TypeError, ValueError) as e:
         return None, e
-    if key is not None and layout.local_len == local_len:
-        _LAST_BOUNDARIES[0] = (cu_seqlens, key, layout)
+    if values is not None and layout.local_len == local_len:
+        _LAST_BOUNDARIES[0] = (key, layout)
     if layout.local_len != local_len:
         return None, ValueError(
             f"local shards have {local_len} tokens on CP rank {rank}, but the packed layout of these "

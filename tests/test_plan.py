@@ -46,3 +46,22 @@ def test_kernel_instance_as_backend():
     out = cps.attention(q, k, v, softcap=5.0, backend=mine)
     assert calls and torch.allclose(out, cps.attention(q, k, v, softcap=5.0, backend="torch"))
     assert cps.select(_spec(), mine).kernel is mine
+
+
+def test_boundaries_refilled_in_place_get_their_new_layout():
+    """One boundaries tensor reused across steps and refilled without a version bump (through
+    numpy or .data) must never keep the old layout: the cache is keyed on the values."""
+    cu = torch.tensor([0, 40, 100, 128])
+    first, err = planning._documents(cu, 64, 2, 0)
+    assert err is None and first.cu_seqlens == (0, 40, 100, 128)
+    version = cu._version
+    cu.numpy()[:] = [0, 10, 20, 128]
+    assert cu._version == version           # what a version-keyed cache would miss
+    second, err = planning._documents(cu, 64, 2, 0)
+    assert err is None and second.cu_seqlens == (0, 10, 20, 128)
+    cu.data[:] = torch.tensor([0, 64, 65, 128])
+    third, _ = planning._documents(cu, 64, 2, 0)
+    assert third.cu_seqlens == (0, 64, 65, 128)
+    assert planning._documents(cu, 64, 2, 0)[0] is third          # the same values: cached
+    float_cu = torch.tensor([0.0, 64.0, 65.0, 128.0])          # equal values, wrong dtype
+    assert isinstance(planning._documents(float_cu, 64, 2, 0)[1], TypeError)
