@@ -1,7 +1,8 @@
 """HF Gemma2 (attn_implementation="cp_softcap") on a packed (padding-free) stream under CP 2
 (gloo, float64): the shards of the packed layout with the GLOBAL boundaries passed as
 model(..., cu_seqlens=cu) give the logits and parameter gradients of each document run alone
-through cp_softcap on one process; ring and a2a; a negative control without the boundaries."""
+through cp_softcap on one process; ring and a2a; negative controls: the boundaries left out,
+and position_ids that are not the packed layout's (left out, or zigzag ones)."""
 import os
 import sys
 
@@ -58,6 +59,16 @@ def _worker(rank, world):
     hf_int.use_cp_group(dist.group.WORLD, comm="ring")
     with pytest.raises(ValueError, match="cu_seqlens=cu_global"):
         ours(input_ids=local_ids, position_ids=pos)
+    # the boundaries without this rank's packed positions: HF's default arange, or zigzag
+    # positions of a zigzag shard, would silently give RoPE and the masks the wrong positions
+    for comm in ("ring", "a2a"):
+        hf_int.use_cp_group(dist.group.WORLD, comm=comm)
+        with pytest.raises(ValueError, match=r"positions\(64, cp=2, rank=\d, cu_seqlens=cu_global\)"):
+            ours(input_ids=local_ids, cu_seqlens=cu)
+        zig = cps.sharding.shard(torch.randint(0, 97, (1, 32 * world)), world, rank)
+        with pytest.raises(ValueError, match="are not cp_softcap.sharding.positions"):
+            ours(input_ids=zig, position_ids=cps.sharding.positions(32 * world, world, rank)[None],
+                 cu_seqlens=[0, 20, 32 * world])
     hf_int.use_cp_group(None)
     return errs
 

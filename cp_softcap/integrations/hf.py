@@ -51,7 +51,8 @@ import torch
 
 from ..api import attention, cp_attention
 from ..plan import resolve_groups
-from ..sharding import positions as zigzag_positions
+from ..documents import PackedLayout
+from ..sharding import positions as cp_positions
 from ..spec import check_comm
 
 NAME = "cp_softcap"
@@ -99,27 +100,32 @@ def _check_mask(mask) -> None:
         "2-D mask), or use attn_implementation='eager' for custom masks.")
 
 
-def _check_positions(position_ids: Optional[torch.Tensor], sq: int, cp: int, rank: int) -> None:
-    """Under CP without global document boundaries: the global zigzag positions of this rank's
-    tokens (cp_softcap.sharding.positions)."""
+def _check_positions(position_ids: Optional[torch.Tensor], sq: int, cp: int, rank: int,
+                     cu=None) -> None:
+    """Under CP: this rank's position_ids must be cp_softcap.sharding.positions(S, cp, rank): the
+    global zigzag positions, or with packed documents (`cu`: the GLOBAL boundaries) the
+    document-relative positions of the packed layout."""
     if position_ids is None or cp == 1:
         return
-    # every layer of one forward gets the same tensor: check it once (a weakref, so a new tensor
-    # reusing a freed one's memory is checked again)
+    # every layer of one forward gets the same tensors: check them once (a weakref, so a new
+    # tensor reusing a freed one's memory is checked again; the boundaries by value)
+    docs = cu if cu is None or isinstance(cu, PackedLayout) else tuple(torch.as_tensor(cu).tolist())
     last = _CHECKED_POSITIONS.get("last")
-    key = (position_ids._version, sq, cp, rank)
+    key = (position_ids._version, sq, cp, rank, docs)
     if last is not None and last[0]() is position_ids and last[1] == key:
         return
     pos = position_ids.reshape(-1, position_ids.shape[-1])
-    expected = zigzag_positions(sq * cp, cp, rank, device=position_ids.device)
-    if not (pos.shape[-1] == sq and bool((pos == expected).all())):
+    expected = cp_positions(sq * cp, cp, rank, device=position_ids.device, cu_seqlens=docs)
+    if not (pos.shape[-1] == sq == expected.shape[-1] and bool((pos == expected).all())):
+        what = ("" if docs is None else ", cu_seqlens=cu_global") + ")"
         raise ValueError(
             f"position_ids {tuple(position_ids.shape)} (first row starts {pos[0, :4].tolist()}) are not "
-            f"cp_softcap.sharding.positions({sq * cp}, cp={cp}, rank={rank}); cp_softcap masks by "
-            "position. Under CP pass position_ids=cp_softcap.sharding.positions(S, cp, rank)[None] "
-            "with the zigzag-sharded input_ids; for packed documents pass the GLOBAL boundaries "
-            "too: model(..., cu_seqlens=cu_global), with shards and positions from "
-            "cp_softcap.sharding.shard / positions(..., cu_seqlens=cu_global).")
+            f"cp_softcap.sharding.positions({sq * cp}, cp={cp}, rank={rank}{what}; cp_softcap masks by "
+            "position and RoPE needs them. Under CP pass position_ids=cp_softcap.sharding.positions(S, "
+            "cp, rank)[None] with the zigzag-sharded input_ids; for packed documents pass the GLOBAL "
+            "boundaries too: model(..., cu_seqlens=cu_global, position_ids=positions(S, cp, rank, "
+            "cu_seqlens=cu_global)[None]), with the shards from cp_softcap.sharding.shard(..., "
+            "cu_seqlens=cu_global).")
     _CHECKED_POSITIONS["last"] = (weakref.ref(position_ids), key)
 
 
@@ -193,8 +199,7 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         raise ValueError("attn_implementation='cp_softcap' under CP got cu_seq_lens_q (boundaries "
                          "of this rank's tokens); packed documents under CP need the GLOBAL "
                          "boundaries: model(..., cu_seqlens=cu_global), identical on every rank")
-    if cu is None:
-        _check_positions(position_ids, sq, cp, rank)
+    _check_positions(position_ids, sq, cp, rank, cu)
     if not (q.dtype == k.dtype == v.dtype):    # e.g. fp32 RoPE output with bf16 v under autocast
         dt = (torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type)
               else v.dtype)
