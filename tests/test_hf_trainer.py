@@ -67,6 +67,29 @@ def test_packed_shards_put_back_give_the_stream(cp, flash_kwargs):
     assert put_back["shift_labels"][0, -1] == -100
 
 
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_flattened_batch_of_one_document_of_any_length(cp):
+    """A flattened batch holding ONE document (batch size 1, a last partial batch) has plain
+    positions: it is taken as one packed document, whatever its length."""
+    import transformers
+    full = transformers.DataCollatorWithFlattening()([{"input_ids": list(range(3, 10))}])
+    shards = [shard_batch(full, cp, r) for r in range(cp)]
+    assert all(s["cu_seqlens"].tolist() == [0, 7] for s in shards)
+    put_back = {k: unshard([s[k] for s in shards], cu_seqlens=[0, 7], seq_len=7)
+                for k in ("input_ids", "shift_labels", "position_ids")}
+    assert torch.equal(put_back["input_ids"], full["input_ids"])
+    assert torch.equal(put_back["position_ids"], torch.arange(7)[None])
+    assert torch.equal(put_back["shift_labels"][:, :-1], full["labels"][:, 1:])
+
+
+def test_one_process_takes_any_length():
+    full = {k: v[:, :13] for k, v in batch().items()}
+    out = shard_batch(full, 1, 0)
+    assert torch.equal(out["input_ids"], full["input_ids"]) and "cu_seqlens" not in out
+    assert torch.equal(out["shift_labels"][:, :-1], full["labels"][:, 1:])
+    assert torch.equal(out["position_ids"], torch.arange(13).expand(B, -1))
+
+
 def test_refuses_packed_rows():
     pos = torch.cat([torch.arange(10), torch.arange(6)]).expand(B, -1)
     with pytest.raises(ValueError, match=r"packed batch of shape \(2, 16\).*ONE row"):

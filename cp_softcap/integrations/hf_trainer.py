@@ -74,7 +74,8 @@ def shard_batch(batch: dict, cp: int, rank: int) -> dict:
     sharded) and position_ids. cp == 1 gives the same keys unsharded, so a one-process run sees
     the same loss inputs.
 
-    Unpacked (one sequence per row): the zigzag shard [B, S/cp] and global positions.
+    Unpacked (one sequence per row): the zigzag shard [B, S/cp] and global positions; one row
+    whose length 2 * cp does not divide is taken as one packed document (below).
     Packed (one row of documents whose position_ids restart at 0, as DataCollatorWithFlattening
     and padding-free collators emit; or cu_seq_lens_q): the packed layout's shard
     [1, packed_len(S, cp) / cp] of the stream padded at its end, document-relative positions, and
@@ -87,13 +88,20 @@ def shard_batch(batch: dict, cp: int, rank: int) -> dict:
     b, s = ids.shape
     _check_mask(batch.pop("attention_mask", None))
     cu = _documents(batch, b, s)
+    if cu is None and b == 1 and s % (2 * cp):
+        # one sequence whose length zigzag cannot split (e.g. a flattened batch holding a single
+        # document, whose positions are a plain range): the packed layout of one document takes
+        # any length and is exact
+        cu = [0, s]
     _check_other_keys(batch, b, s)
     shifted = batch.pop("shift_labels", None)
     labels = batch.pop("labels", None)
     if shifted is None and labels is not None:
         shifted = F.pad(labels[:, 1:], (0, 1), value=-100)   # HF's causal shift, on the full sequence
     out = dict(batch)
-    if cu is None:
+    if cu is None and cp == 1:          # nothing to split: any length
+        pos = torch.arange(s, device=ids.device)
+    elif cu is None:
         _check_length(s, cp, rank)
         out["input_ids"] = shard(ids, cp, rank).contiguous()
         pos = positions(s, cp, rank, device=ids.device)
@@ -104,7 +112,7 @@ def shard_batch(batch: dict, cp: int, rank: int) -> dict:
         if shifted is not None:
             shifted = shard(shifted, cp, rank, cu_seqlens=cu, pad_value=-100)
     if shifted is not None:
-        if cu is None:
+        if cu is None and cp > 1:
             shifted = shard(shifted, cp, rank)
         # labels must be non-None for HF to compute a loss; shift_labels stops HF shifting the shard
         out["labels"] = out["shift_labels"] = shifted.contiguous()
