@@ -202,6 +202,20 @@ def refusals(out_dir: str, targs, mesh, messages: dict) -> None:
         except ValueError as e:
             messages[case] = str(e)
     targs.average_tokens_across_devices = True
+    for case, kw in (("label_smoothing", {}), ("compute_metrics", {"compute_metrics": lambda p: {}})):
+        targs.label_smoothing_factor = 0.1 if case == "label_smoothing" else 0.0
+        try:
+            CPTrainer(model=model("cp_softcap"), args=targs, cp_mesh=mesh, train_dataset=train, **kw)
+            messages[case] = None
+        except ValueError as e:
+            messages[case] = str(e)
+    targs.label_smoothing_factor = 0.0
+    trainer = CPTrainer(model=model("cp_softcap"), args=targs, cp_mesh=mesh, train_dataset=train)
+    try:
+        trainer.predict(train)
+        messages["predict"] = None
+    except ValueError as e:
+        messages["predict"] = str(e)
     if targs.process_index == 0:
         with open(os.path.join(out_dir, "refusals.json"), "w") as f:
             json.dump(messages, f)

@@ -96,6 +96,9 @@ def test_trainer_refusals(runs):
     assert "average_tokens_across_devices=False" in messages["per_rank_tokens"]
     assert "global rank 0" in messages["per_rank_tokens"]
     assert "accelerator_config={'dispatch_batches': False}" in messages["dispatch_batches"]
+    assert "label smoothing" in messages["label_smoothing"]
+    assert "compute_metrics" in messages["compute_metrics"] and "loss only" in messages["compute_metrics"]
+    assert "would return no predictions" in messages["predict"]
 
 
 def _initial_weights():

@@ -26,7 +26,8 @@ What CPTrainer changes, each through a Trainer or accelerate hook (docs/hf_train
 Refused with a message naming the fix: cp that does not divide the world, a model whose attention
 does not route through cp_softcap, a padding attention mask, packed documents spread over several
 rows or not starting at position 0, unpacked lengths that 2 * cp does not divide, accelerate's
-own CP/SP/TP, per-rank token averaging, label smoothing, a custom compute_loss_func, dispatched batches.
+own CP/SP/TP, per-rank token averaging, label smoothing, a custom compute_loss_func, compute_metrics
+(and predict(): the logits are sharded, evaluation is loss only), dispatched batches.
 """
 from __future__ import annotations
 
@@ -246,6 +247,11 @@ class CPTrainerMixin:
         if args.label_smoothing_factor or self.compute_loss_func is not None:
             problems.append("label smoothing / compute_loss_func see sharded logits without the global "
                             "token count; leave them unset")
+        if self.compute_metrics is not None or self.preprocess_logits_for_metrics is not None:
+            problems.append("compute_metrics / preprocess_logits_for_metrics need the full logits, but "
+                            "each CP rank holds a shard of them and CPTrainer evaluates the loss only; "
+                            "leave them unset (evaluate() reports eval_loss) and compute metrics with a "
+                            "plain Trainer on one process")
         if problems:
             raise ValueError(f"CPTrainer (global rank {args.process_index}): " + "; ".join(problems))
 
@@ -279,6 +285,11 @@ class CPTrainerMixin:
 
     def get_total_train_batch_size(self, args) -> int:
         return self._train_batch_size * args.gradient_accumulation_steps * self.dp_size
+
+    def predict(self, *args, **kwargs):
+        raise ValueError("CPTrainer.predict() would return no predictions: each CP rank holds a shard of "
+                         "the logits and CPTrainer evaluates the loss only. Use evaluate() for the loss, "
+                         "or predict with a plain Trainer on one process")
 
     # ---- evaluation: the dp group's token-mean loss on every CP rank, gathered over dp only
     def evaluation_loop(self, *args, **kwargs):
