@@ -42,11 +42,13 @@ def _where(rank) -> str:
 def check_cu_seqlens(cu_seqlens, seq_len: Optional[int] = None, *, rank=None) -> Tuple[int, ...]:
     """Validate document boundaries; return them as a tuple of Python ints.
 
-    cu_seqlens: 1-D integer tensor or list of ints [0, e1, ..., T_docs], strictly increasing
+    cu_seqlens: 1-D integer tensor (or NumPy array) or list of ints [0, e1, ..., T_docs], strictly increasing
     (zero-length documents are rejected: drop repeated boundaries), T_docs <= seq_len when given.
     Raises ValueError (TypeError for a non-integer type) naming the value and the fix.
     """
     at = _where(rank)
+    if type(cu_seqlens).__module__ == "numpy":          # a NumPy array: as a tensor
+        cu_seqlens = torch.as_tensor(cu_seqlens)
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1:
             raise ValueError(f"cu_seqlens must be 1-D [num_docs + 1], got shape {tuple(cu_seqlens.shape)}{at}; "
@@ -54,6 +56,9 @@ def check_cu_seqlens(cu_seqlens, seq_len: Optional[int] = None, *, rank=None) ->
         if cu_seqlens.dtype == torch.bool or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
             raise TypeError(f"cu_seqlens must hold integers, got dtype {cu_seqlens.dtype}{at}; "
                             "convert with .to(torch.int64)")
+        if cu_seqlens.device.type == "meta":
+            raise ValueError(f"cu_seqlens is a meta tensor (no values){at}; pass the real boundaries "
+                             "(a list of ints or a CPU tensor)")
         values = cu_seqlens.tolist()
     elif isinstance(cu_seqlens, (list, tuple)):
         values = []
@@ -73,10 +78,13 @@ def check_cu_seqlens(cu_seqlens, seq_len: Optional[int] = None, *, rank=None) ->
                          "boundaries are global token offsets of the whole stream")
     for d in range(len(values) - 1):
         if values[d + 1] <= values[d]:
+            fix = ("documents must have at least one token: drop repeated boundaries "
+                   "(torch.unique_consecutive)" if values[d + 1] == values[d] else
+                   "boundaries are cumulative token offsets, e.g. [0] + running sum of the document "
+                   "lengths (torch.cumsum)")
             what = "zero-length document" if values[d + 1] == values[d] else "decreasing boundary"
             raise ValueError(f"cu_seqlens is not strictly increasing: cu_seqlens[{d}] = {values[d]}, "
-                             f"cu_seqlens[{d + 1}] = {values[d + 1]} ({what}){at}; documents must have "
-                             "at least one token: drop repeated boundaries (torch.unique_consecutive)")
+                             f"cu_seqlens[{d + 1}] = {values[d + 1]} ({what}){at}; {fix}")
     if seq_len is not None and values[-1] > seq_len:
         raise ValueError(f"cu_seqlens ends at {values[-1]}, past the stream length {seq_len}{at}; the last "
                          "boundary is the end of the last document and must be <= the sequence length")

@@ -276,7 +276,8 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple, c
         plan, error = _draft(spec, q.shape[0], q.shape[1], backend,
                              layout if doc_error is None else f"invalid: {doc_error}")
         _compare(plan, groups, q.device)
-        error = doc_error or error
+        if doc_error is not None:
+            raise type(doc_error)(f"{doc_error} (on {where}; the same on every rank)")
         if error is not None:
             raise error
         plan = _finish(plan, groups, rank)
@@ -311,7 +312,7 @@ def _boundary_values(cu_seqlens):
     ints (the cache key); None for anything else (validated in full every call)."""
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() \
-                or cu_seqlens.dtype == torch.bool:
+                or cu_seqlens.dtype == torch.bool or cu_seqlens.device.type == "meta":
             return None
         return tuple(cu_seqlens.tolist())
     if isinstance(cu_seqlens, (list, tuple)) and all(type(v) is int for v in cu_seqlens):
@@ -329,14 +330,15 @@ def _documents(cu_seqlens, local_len: int, cp: int, rank: int):
     if values is not None and last is not None and last[0] == key:
         return last[1], None
     try:
-        layout = layout_for(values if values is not None else cu_seqlens, local_len * cp, cp, rank=rank)
+        # no rank in the message: ranks compare it, and equal bad boundaries must read the same
+        layout = layout_for(values if values is not None else cu_seqlens, local_len * cp, cp)
     except (TypeError, ValueError) as e:
         return None, e
     if values is not None and layout.local_len == local_len:
         _LAST_BOUNDARIES[0] = (key, layout)
     if layout.local_len != local_len:
         return None, ValueError(
-            f"local shards have {local_len} tokens on CP rank {rank}, but the packed layout of these "
+            f"local shards have {local_len} tokens, but the packed layout of these "
             f"cu_seqlens over cp={cp} holds {layout.local_len} per rank; shard q, k and v with "
             "cp_softcap.sharding.shard(x, cp, rank, cu_seqlens=cu_seqlens), which pads the stream "
             "to sharding.packed_len(S, cp)")

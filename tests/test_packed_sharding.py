@@ -125,7 +125,8 @@ def test_chunk_areas_match_brute_force():
 @pytest.mark.parametrize("bad, match", [
     ([1, 5], "must start at 0"),
     ([0, 5, 5, 9], "zero-length document"),
-    ([0, 7, 5], "decreasing"),
+    ([0, 7, 5], "decreasing boundary.*cumulative token offsets"),
+    (torch.tensor([0, 32], device="meta"), "meta tensor"),
     ([0], "at least one document"),
     ([0, 40], "past the stream length 32"),
     (torch.tensor([[0, 32]]), "1-D"),
@@ -151,6 +152,11 @@ def test_bad_layout_and_shards():
         sharding.unshard(shards, cu_seqlens=[0, 60], seq_len=40)
     with pytest.raises(ValueError, match="outside the CP group"):
         sharding.positions(64, 2, 2, cu_seqlens=[0, 64])
+
+
+def test_numpy_boundaries_are_accepted():
+    np = pytest.importorskip("numpy")
+    assert check_cu_seqlens(np.array([0, 3, 9])) == (0, 3, 9)
 
 
 def test_hash_is_stable_and_sensitive():

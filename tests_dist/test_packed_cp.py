@@ -207,7 +207,9 @@ def test_bad_boundaries_raise_on_every_rank():
         for name, _ in BAD:
             assert "document layout differs" in messages[name], (rank, name, messages[name])
         assert "rank 1" in messages["past the stream"] and "past the stream" in messages["past the stream"]
-        assert "strictly increasing" in messages["all decreasing"]
+        for same in ("all decreasing", "local length"):   # the same on every rank: no "differs"
+            assert "differs" not in messages[same] and f"on CP rank {rank}" in messages[same], messages[same]
+        assert "strictly increasing" in messages["all decreasing"] and "cumsum" in messages["all decreasing"]
         assert "sharding.shard" in messages["local length"]
     print(results[0][0]["decreasing"])
 
