@@ -21,6 +21,7 @@ from .kernels.torch_kernel import TorchKernel
 from .packed_local import (check_packed, packed_attention, save_for_local_backward,
                            saved_for_local_backward)
 from .plan import Backend, check_group, local_plan, plan_for, resolve_groups, spec_for
+from .selector import check_backend
 from .spec import check_comm, check_qkv, normalize_softcap, normalize_window
 
 ALGORITHMS = {"ring": RingAttention, "all_gather": AllGatherAttention, "a2a": A2AAttention,
@@ -152,6 +153,7 @@ class CPAttention(torch.nn.Module):
         self.softcap = normalize_softcap(softcap)
         self.window = normalize_window(window, causal)
         check_comm(comm)
+        check_backend(backend)
         check_group(cp_group, comm)
         self.cp_group, self.causal, self.scale = cp_group, causal, scale
         self.comm, self.backend = comm, backend

@@ -124,6 +124,15 @@ def kernel_rejection(kernel: Kernel, spec: AttnSpec) -> Optional[str]:
 _SELECTIONS: Dict[tuple, Selection] = {}
 
 
+def check_backend(backend) -> None:
+    """The construction-time check of a backend= argument (CPAttention, use_cp_group): "auto", a
+    kernel name or a Kernel instance, so a typo fails where it is written, not at the first call."""
+    if backend in (None, "auto") or isinstance(backend, Kernel) or backend in KERNEL_NAMES:
+        return
+    raise ValueError(f"backend={backend!r} is not a kernel; choose one of {KERNEL_NAMES}, 'auto' or "
+                     "a Kernel instance")
+
+
 def requested_backend(backend: Union[None, str, Kernel]) -> Union[None, str, Kernel]:
     """backend= argument (a kernel name or a Kernel instance), else CP_SOFTCAP_BACKEND, else
     None (auto)."""

@@ -38,6 +38,9 @@ def shard(x: torch.Tensor, cp: int, rank: int, dim: int = 1, *, cu_seqlens=None,
 
     With cu_seqlens (packed documents): this rank's [.., packed_len(S, cp) / cp, ..] in the
     packed layout; x is first padded at its end with `pad_value` (use -100 for labels)."""
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"shard: x has shape {tuple(x.shape)}, which has no dim {dim} to split (the "
+                         "sequence dim, 1 by default for [B, S, ...]); pass dim=0 for a 1-D tensor")
     if cu_seqlens is not None:
         layout = layout_for(cu_seqlens, x.shape[dim], cp, rank=rank)
         x = pad_to_multiple(x, layout.seq_len, dim=dim, value=pad_value)   # to exactly seq_len

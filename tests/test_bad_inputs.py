@@ -243,6 +243,10 @@ MATRIX = [
     ("unshard-unequal-shards", lambda: sharding.unshard([torch.randn(1, 4), torch.randn(1, 6)]), ValueError,
      r"rank 1.*6.*rank 0.*4"),
     ("shard-unshard-noncontiguous", ok_shard_roundtrip_noncontiguous, "ok", ""),
+    ("shard-1d-default-dim", lambda: sharding.shard(torch.arange(8), 2, 0), ValueError,
+     r"shape \(8,\).*no dim 1.*dim=0"),
+    ("cpattention-backend-typo", lambda: cps.CPAttention(None, backend="flash2"), ValueError,
+     r"backend='flash2' is not a kernel.*'fa2'"),
     # ---- the selector CLI (exit code 2 and a message, never a traceback)
     ("cli-softcap-negative", lambda: cli("--softcap", "-1"), 2, r"error: softcap.*-1\.0"),
     ("cli-softcap-nan", lambda: cli("--softcap", "nan"), 2, r"error: softcap.*nan"),

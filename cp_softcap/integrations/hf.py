@@ -51,6 +51,7 @@ import torch
 
 from ..api import attention, cp_attention
 from ..plan import resolve_groups
+from ..selector import check_backend
 from ..documents import PackedLayout
 from ..sharding import positions as cp_positions
 from ..spec import check_comm
@@ -68,6 +69,7 @@ def use_cp_group(group, *, comm: str = "ring", backend: str = "auto") -> None:
     For "a2a+p2p" the group is the pair (a2a_group, ring_group) from
     cp_softcap.make_hybrid_groups(cp_group, a2a_size), or a 2-D DeviceMesh (ring, a2a)."""
     check_comm(comm)
+    check_backend(backend)
     if group is not None:
         _cp_size_rank(group, comm)      # a pair without a2a+p2p, or a2a+p2p without one: raise now
     _CONFIG.update(group=group, comm=comm, backend=backend)
