@@ -175,8 +175,9 @@ def _fuse(boxes) -> Tuple[DocCall, ...]:
     - such a full call absorbs the next box over the same rows with adjacent keys whose window
       has no left bound: bottom-right alignment keeps that box's keys where they were and the
       full keys before them stay visible (earlier runs + the causal diagonal = one call);
-    - boxes adjacent in rows AND keys with the same raw local window become one call with one
-      segment each (the documents of a run);
+    - boxes adjacent in rows AND keys with the same raw local window, or all fully visible,
+      become one call with one segment each (the documents of a run; non-causal or length-1
+      documents too);
     - stacked one-segment calls (see _stack): a run's causal diagonal and the next run's call
       over the same first key become one causal call (the zigzag self step is one call)."""
     groups = []
@@ -189,7 +190,8 @@ def _fuse(boxes) -> Tuple[DocCall, ...]:
         elif (g is not None and g["raw"] == FULL and raw[0] is None and (g["q0"], g["q1"]) == (q0, q1)
               and g["k1"] == k0):
             g["k1"], g["cu_k"][-1], g["raw"] = k1, k1 - g["k0"], raw
-        elif g is not None and g["raw"] == raw and g["q1"] == q0 and g["k1"] == k0:
+        elif (g is not None and g["q1"] == q0 and g["k1"] == k0
+              and (g["raw"] == raw or (full and g["raw"] == FULL))):
             g["cu_q"].append(q1 - g["q0"])
             g["cu_k"].append(k1 - g["k0"])
             g["q1"], g["k1"] = q1, k1
@@ -213,7 +215,7 @@ def _stack(groups):
     for h in groups:
         g = out[-1] if out else None
         if (g is not None and g["raw"] == FULL == h["raw"] and h["q0"] == g["q1"]
-                and (g["k0"], g["k1"]) == (h["k0"], h["k1"])):
+                and len(g["cu_q"]) == 2 == len(h["cu_q"]) and (g["k0"], g["k1"]) == (h["k0"], h["k1"])):
             g.update(q1=h["q1"], cu_q=[0, h["q1"] - g["q0"]])
         elif (g is not None and len(g["cu_q"]) == 2 and len(h["cu_q"]) == 2 and FULL not in (g["raw"], h["raw"])
                 and g["raw"][0] is None and h["raw"][0] is None and g["raw"][1] == 0 and h["raw"][1] is not None

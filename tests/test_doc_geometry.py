@@ -159,6 +159,24 @@ def test_short_documents_fuse_into_one_varlen_call():
         assert all(not step_calls(layout, r, k, (None, 0)) for k in range(4) if k != r)
 
 
+@pytest.mark.parametrize("lengths,window,n_calls", [
+    ([2] * 128, (None, None), 1), ([1] * 256, (None, 0), 1), ([1, 3, 1, 1, 2] * 30, (None, None), 1),
+    ([1, 1, 5] * 20, (2, 2), 2),        # the leading full boxes, then the windowed run
+])
+def test_fully_visible_documents_fuse_into_one_call(lengths, window, n_calls):
+    """Non-causal documents and length-1 documents (every box fully visible) fuse like causal
+    ones: one call, one segment per document, and every visible pair exactly once."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    total = cu[-1]
+    calls = stream_calls(tuple(cu), total, window)
+    assert len(calls) == n_calls and sum(c.segments for c in calls) == len(lengths), calls
+    pairs = Counter()
+    check_calls(tuple(cu), calls, list(range(total)), list(range(total)), window, pairs)
+    assert_exact(pairs, expected(tuple(cu), range(total), total, window), "fused full boxes")
+
+
 def test_stream_calls_and_window_beyond_documents():
     rng = random.Random(7)
     for _ in range(4):
