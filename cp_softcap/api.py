@@ -122,7 +122,10 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, 
     sharding.packed_len(S, cp) / cp tokens (the stream padded at its end). Query i sees key j
     only within one document (and under causal/window in global positions); tokens past
     T_docs are padding: output 0 and zero gradients. Every comm type serves packed calls; a
-    batch of B > 1 streams is allowed under CP when all share these boundaries.
+    batch of B > 1 streams is allowed under CP when all share these boundaries. The shards
+    must come from shard(..., cu_seqlens=) with these same boundaries (or PackedLayout): a
+    zigzag shard or another layout of the same length cannot be told apart here and gives a
+    wrong result.
     Raises ValueError (TypeError for non-integers) on EVERY rank, naming the rank, when the
     boundaries are not increasing, do not start at 0, end past the stream, differ between
     ranks, or do not match the local shard length.
