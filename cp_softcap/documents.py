@@ -21,6 +21,8 @@ Everything here is integer arithmetic on the host, identical on every rank, cach
 from __future__ import annotations
 
 import hashlib
+import sys
+from array import array
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -98,7 +100,10 @@ def _short(values) -> str:
 def cu_hash(cu: Sequence[int]) -> int:
     """A cheap stable 63-bit hash of validated boundaries (same value in every process), for the
     cross-rank signature: ranks compare this instead of sending the whole tensor."""
-    data = b"".join(int(v).to_bytes(8, "little", signed=True) for v in cu)
+    values = array("q", cu)                   # int64, the machine's byte order
+    if sys.byteorder == "big":
+        values.byteswap()                     # the hash is of little-endian bytes everywhere
+    data = values.tobytes()
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
@@ -112,16 +117,16 @@ def padded_len(seq_len: int, cp: int) -> int:
     return -(-seq_len // step) * step
 
 
-def _below(n: int, cap: Optional[int]) -> int:
-    """sum of min(p, cap) for p in 0..n-1 (cap None: unbounded)."""
-    if n <= 0:
-        return 0
-    if cap is None or n <= cap + 1:
-        return n * (n - 1) // 2
-    return cap * (cap + 1) // 2 + (n - cap - 1) * cap
+def _below(n: torch.Tensor, cap: Optional[int]) -> torch.Tensor:
+    """sum of min(p, cap) for p in 0..n-1, elementwise over int64 n (cap None: unbounded)."""
+    n = n.clamp_min(0)
+    tri = n * (n - 1) // 2
+    if cap is None:
+        return tri
+    return torch.where(n <= cap + 1, tri, cap * (cap + 1) // 2 + (n - cap - 1) * cap)
 
 
-def _doc_prefix(length: int, n: int, window: Window) -> int:
+def _doc_prefix(length: torch.Tensor, n: torch.Tensor, window: Window) -> torch.Tensor:
     """Visible keys summed over the first n queries of a document of `length` tokens: query p
     sees min(p, left) keys before it, min(length-1-p, right) after it, and itself."""
     left, right = window
@@ -130,15 +135,20 @@ def _doc_prefix(length: int, n: int, window: Window) -> int:
 
 def chunk_areas(cu: Tuple[int, ...], seq_len: int, num_chunks: int, window: Window) -> Tuple[int, ...]:
     """Visible (q, k) pairs of each of num_chunks equal chunks' queries: closed form per
-    (document, chunk) piece, O(documents + chunks) integer arithmetic."""
+    (document, chunk) piece, over all pieces at once in exact int64 arithmetic."""
     chunk = seq_len // num_chunks
-    areas = [0] * num_chunks
-    for start, end in zip(cu, cu[1:]):
-        length = end - start
-        for c in range(start // chunk, (end - 1) // chunk + 1):
-            lo, hi = max(start, c * chunk) - start, min(end, (c + 1) * chunk) - start
-            areas[c] += _doc_prefix(length, hi, window) - _doc_prefix(length, lo, window)
-    return tuple(areas)
+    bounds = torch.tensor(cu, dtype=torch.int64)
+    starts, ends = bounds[:-1], bounds[1:]
+    first = starts // chunk
+    pieces = (ends - 1) // chunk - first + 1              # chunks each document touches
+    doc = torch.repeat_interleave(torch.arange(len(starts)), pieces)
+    within = torch.arange(len(doc)) - (torch.cumsum(pieces, 0) - pieces)[doc]
+    c = first[doc] + within
+    start, end = starts[doc], ends[doc]
+    lo = torch.maximum(start, c * chunk) - start
+    hi = torch.minimum(end, (c + 1) * chunk) - start
+    area = _doc_prefix(end - start, hi, window) - _doc_prefix(end - start, lo, window)
+    return tuple(torch.zeros(num_chunks, dtype=torch.int64).index_add_(0, c, area).tolist())
 
 
 def assign_chunks(areas, cp: int) -> Tuple[Tuple[int, ...], ...]:
