@@ -184,15 +184,17 @@ def assign_chunks(areas, cp: int) -> Tuple[Tuple[int, ...], ...]:
     for _ in range(4 * len(vec)):
         b = max(range(cp), key=lambda r: (max(load[r]), -r))
         top, best = max(load[b]), None
+        bound = top                     # a swap must bring both ranks' worst load below this
         for x in held[b]:
+            rest_b = [lb - vx for lb, vx in zip(load[b], vec[x])]
             for r in range(cp):
                 if r == b:
                     continue
+                plus_r = [lr + vx for lr, vx in zip(load[r], vec[x])]
                 for y in held[r]:
-                    worst = max(max(lb - vx + vy for lb, vx, vy in zip(load[b], vec[x], vec[y])),
-                                max(lr + vx - vy for lr, vx, vy in zip(load[r], vec[x], vec[y])))
-                    if worst < top and (best is None or worst < best[0]):
-                        best = (worst, x, r, y)
+                    worst = _worst_after_swap(rest_b, plus_r, vec[y], bound)
+                    if worst is not None:
+                        best, bound = (worst, x, r, y), worst
         if best is None:
             break
         _, x, r, y = best
@@ -200,6 +202,20 @@ def assign_chunks(areas, cp: int) -> Tuple[Tuple[int, ...], ...]:
         held[r][held[r].index(y)] = x
         add(b, x, -1), add(b, y), add(r, y, -1), add(r, x)
     return tuple(tuple(sorted(h)) for h in held)
+
+
+def _worst_after_swap(rest_b, plus_r, vy, bound):
+    """max over windows of (rest_b + vy) and (plus_r - vy), or None as soon as one reaches
+    `bound` (the swap is then no better than the best so far)."""
+    worst = None
+    for a, c, v in zip(rest_b, plus_r, vy):
+        t, u = a + v, c - v
+        if t >= bound or u >= bound:
+            return None
+        m = t if t > u else u
+        if worst is None or m > worst:
+            worst = m
+    return worst
 
 
 def _assign_one(areas, cp: int) -> Tuple[Tuple[int, ...], ...]:
