@@ -57,7 +57,7 @@ def test_packed_shards_put_back_give_the_stream(cp, flash_kwargs):
     full = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(docs)
     shards = [shard_batch(full, cp, r) for r in range(cp)]
     cu = [0, 7, 18, 23]
-    assert all(s["cu_seqlens"].tolist() == cu for s in shards)
+    assert all(s["cu_seqlens"].cu_seqlens == tuple(cu) for s in shards)
     assert all(k not in shards[0] for k in ("cu_seq_lens_q", "max_length_q"))
     put_back = {k: unshard([s[k] for s in shards], cu_seqlens=cu, seq_len=23)
                 for k in ("input_ids", "shift_labels", "position_ids")}
@@ -74,7 +74,7 @@ def test_flattened_batch_of_one_document_of_any_length(cp):
     import transformers
     full = transformers.DataCollatorWithFlattening()([{"input_ids": list(range(3, 10))}])
     shards = [shard_batch(full, cp, r) for r in range(cp)]
-    assert all(s["cu_seqlens"].tolist() == [0, 7] for s in shards)
+    assert all(s["cu_seqlens"].cu_seqlens == (0, 7) for s in shards)
     put_back = {k: unshard([s[k] for s in shards], cu_seqlens=[0, 7], seq_len=7)
                 for k in ("input_ids", "shift_labels", "position_ids")}
     assert torch.equal(put_back["input_ids"], full["input_ids"])
@@ -88,6 +88,29 @@ def test_one_process_takes_any_length():
     assert torch.equal(out["input_ids"], full["input_ids"]) and "cu_seqlens" not in out
     assert torch.equal(out["shift_labels"][:, :-1], full["labels"][:, 1:])
     assert torch.equal(out["position_ids"], torch.arange(13).expand(B, -1))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_packed_layout_balanced_for_every_layer_kind(cp):
+    """With a model's layer windows (Gemma2: global and sliding), the shards follow ONE layout
+    balanced for both kinds, and that PackedLayout is what the model gets as cu_seqlens."""
+    import transformers
+    from cp_softcap.documents import PackedLayout
+    from cp_softcap.integrations.hf_trainer import layer_windows
+    config = transformers.Gemma2Config(num_hidden_layers=4, sliding_window=8)
+    windows = layer_windows(config)
+    assert windows == [(7, 0), None]
+    assert layer_windows(transformers.Gemma2Config(num_hidden_layers=2, layer_types=["full_attention"] * 2)) is None
+    docs = [{"input_ids": list(range(3, 3 + n))} for n in (40, 3, 25, 60, 9)]
+    full = transformers.DataCollatorWithFlattening()(docs)
+    shards = [shard_batch(full, cp, r, windows) for r in range(cp)]
+    layout = shards[0]["cu_seqlens"]
+    assert isinstance(layout, PackedLayout) and len(layout.windows) == 2
+    assert layout.cu_seqlens == (0, 40, 43, 68, 128, 137)
+    put_back = {k: unshard([s[k] for s in shards], cu_seqlens=layout, seq_len=137)
+                for k in ("input_ids", "position_ids")}
+    assert torch.equal(put_back["input_ids"], full["input_ids"])
+    assert torch.equal(put_back["position_ids"], full["position_ids"])
 
 
 def test_refuses_packed_rows():

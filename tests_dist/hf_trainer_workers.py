@@ -148,8 +148,9 @@ def shuffled(out_dir: str, targs, mesh) -> None:
 
     class Spy(CPTrainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
+            bounds = inputs["cu_seqlens"].cu_seqlens           # the batch's PackedLayout
             cu = torch.full((64,), -1, dtype=torch.int64)
-            cu[:len(inputs["cu_seqlens"])] = inputs["cu_seqlens"]
+            cu[:len(bounds)] = torch.tensor(bounds)
             every = [torch.empty_like(cu) for _ in range(dist.get_world_size())]
             dist.all_gather(every, cu)
             seen.append([e[e >= 0].tolist() for e in every])

@@ -45,6 +45,7 @@ if int(transformers.__version__.split(".")[0]) < 5:
                       f"num_items_in_batch and parallelism hooks); found {transformers.__version__}. "
                       "pip install -U 'transformers>=5' accelerate")
 
+from ..documents import packed_layout
 from ..sharding import positions, shard
 from .hf import cp_softcap_attention, use_cp_group
 
@@ -69,7 +70,18 @@ def cp_mesh(cp: int, *, device_type: Optional[str] = None):
     return init_device_mesh(device_type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
 
 
-def shard_batch(batch: dict, cp: int, rank: int) -> dict:
+def layer_windows(config) -> Optional[list]:
+    """The attention windows of a model's layer kinds, as packed_layout(layer_windows=) takes
+    them, for configs with `sliding_window` and `layer_types` (Gemma2: "full_attention" and
+    "sliding_attention", window (sliding_window - 1, 0) as the attention function applies it);
+    None when every layer attends alike (then the layout is balanced for causal attention)."""
+    sw, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None) or ()
+    windows = {None if t == "full_attention" else (sw - 1, 0) for t in types
+               if t in ("full_attention", "sliding_attention")}
+    return sorted(windows, key=str) if sw and len(windows) > 1 else None
+
+
+def shard_batch(batch: dict, cp: int, rank: int, layer_windows: Optional[list] = None) -> dict:
     """A collated causal-LM batch (input_ids [B, S], labels [B, S] as HF takes them, unshifted)
     -> this CP rank's shard: input_ids, labels == shift_labels (shifted on the full sequence, then
     sharded) and position_ids. cp == 1 gives the same keys unsharded, so a one-process run sees
@@ -80,8 +92,9 @@ def shard_batch(batch: dict, cp: int, rank: int) -> dict:
     Packed (one row of documents whose position_ids restart at 0, as DataCollatorWithFlattening
     and padding-free collators emit; or cu_seq_lens_q): the packed layout's shard
     [1, packed_len(S, cp) / cp] of the stream padded at its end, document-relative positions, and
-    `cu_seqlens`, the GLOBAL boundaries, identical on every rank, which the model passes on to
-    cp_softcap's attention."""
+    `cu_seqlens`: the PackedLayout of the GLOBAL boundaries (`.cu_seqlens`), identical on every
+    rank, balanced for causal attention or, with layer_windows (layer_windows(model.config)),
+    for every layer kind at once; the model passes it on to cp_softcap's attention."""
     batch = dict(batch)
     ids = batch["input_ids"]
     if ids.dim() != 2:
@@ -107,11 +120,12 @@ def shard_batch(batch: dict, cp: int, rank: int) -> dict:
         out["input_ids"] = shard(ids, cp, rank).contiguous()
         pos = positions(s, cp, rank, device=ids.device)
     else:
-        out["input_ids"] = shard(ids, cp, rank, cu_seqlens=cu).contiguous()
-        pos = positions(s, cp, rank, device=ids.device, cu_seqlens=cu)
-        out["cu_seqlens"] = torch.tensor(cu, dtype=torch.int64)
+        docs = packed_layout(cu, s, cp, layer_windows=layer_windows)
+        out["input_ids"] = shard(ids, cp, rank, cu_seqlens=docs).contiguous()
+        pos = positions(s, cp, rank, device=ids.device, cu_seqlens=docs)
+        out["cu_seqlens"] = docs
         if shifted is not None:
-            shifted = shard(shifted, cp, rank, cu_seqlens=cu, pad_value=-100)
+            shifted = shard(shifted, cp, rank, cu_seqlens=docs, pad_value=-100)
     if shifted is not None:
         if cu is None and cp > 1:
             shifted = shard(shifted, cp, rank)
@@ -189,11 +203,11 @@ def _check_other_keys(batch: dict, b: int, s: int) -> None:
 class CPCollator:
     """Wraps a data collator: collate with it, then keep this CP rank's shard (shard_batch)."""
 
-    def __init__(self, collator, cp: int, rank: int):
-        self.collator, self.cp, self.rank = collator, cp, rank
+    def __init__(self, collator, cp: int, rank: int, layer_windows: Optional[list] = None):
+        self.collator, self.cp, self.rank, self.layer_windows = collator, cp, rank, layer_windows
 
     def __call__(self, features):
-        return shard_batch(self.collator(features), self.cp, self.rank)
+        return shard_batch(self.collator(features), self.cp, self.rank, self.layer_windows)
 
 
 def check_cp_model(model) -> None:
@@ -230,7 +244,8 @@ class CPTrainerMixin:
         check_cp_model(self.model)
         use_cp_group(cp_mesh.get_group("cp") if self.cp_size > 1 else None, comm=cp_comm,
                      backend=cp_backend)
-        self.data_collator = CPCollator(self.data_collator, self.cp_size, self.cp_rank)
+        self.data_collator = CPCollator(self.data_collator, self.cp_size, self.cp_rank,
+                                        layer_windows(self.model.config))
 
     def _check_setup(self) -> None:
         args, world = self.args, self.cp_mesh.size()

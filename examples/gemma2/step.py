@@ -67,7 +67,8 @@ def loss_and_grads(model, tokens: torch.Tensor, d: Dist, autocast=None,
 def packed_loss_and_grads(model, inp: torch.Tensor, lab: torch.Tensor, cu_seqlens, d: Dist,
                           autocast=None) -> torch.Tensor:
     """loss_and_grads for one packed row (--pack): inp, lab [1, S] from data.get_packed_batch (the
-    same on all cp ranks), cu_seqlens its GLOBAL document boundaries. Ids, labels (padded with
+    same on all cp ranks), cu_seqlens its GLOBAL document boundaries (or their PackedLayout,
+    e.g. one balanced for several layer windows). Ids, labels (padded with
     -100) and document-relative positions get the packed layout's shard, every attention layer
     gets cu_seqlens, and the loss is divided by the valid labels of the whole step."""
     shard = lambda t, pad: cps.sharding.shard(t, d.cp, d.cp_rank, cu_seqlens=cu_seqlens,  # noqa: E731

@@ -19,6 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
+import cp_softcap as cps
+
 if __package__ in (None, ""):   # run as a script: make `gemma2` importable from examples/
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -96,7 +98,11 @@ def train_step(model, opt, tokens, step: int, args, cfg, d, autocast):
     if args.pack:
         inp, lab, cu = get_packed_batch(tokens, step=step, dp_rank=d.dp_rank, seq_len=args.seq_len,
                                         seed=args.seed, bos_id=cfg.bos_token_id, pad_id=cfg.pad_token_id)
-        loss = packed_loss_and_grads(model, inp, lab, cu, d, autocast)
+        # one layout balanced for both of Gemma2's layer kinds (global and sliding-window): each
+        # kind synchronises the ranks, so each needs its own balance
+        layout = cps.documents.packed_layout(cu, args.seq_len, d.cp,
+                                             layer_windows=[None, (cfg.sliding_window - 1, 0)])
+        loss = packed_loss_and_grads(model, inp, lab, layout, d, autocast)
     else:
         batch = get_batch(tokens, step=step, dp_rank=d.dp_rank, batch_size=args.batch_size,
                           seq_len=args.seq_len, seed=args.seed, bos_id=cfg.bos_token_id)
