@@ -14,12 +14,11 @@ import torch
 from .cp.a2a import A2AAttention
 from .cp.a2a_p2p import A2AP2PAttention
 from .cp.all_gather import AllGatherAttention
-from .cp.guard import autocast_off, refuse_second_order
+from .cp.guard import autocast_off
 from .cp.ring import RingAttention
 from .export import export_attention, is_exporting
-from .kernels.torch_kernel import TorchKernel
 from .packed_local import (check_packed, packed_attention, save_for_local_backward,
-                           saved_for_local_backward)
+                           saved_for_local_backward, second_order_safe)
 from .plan import Backend, check_group, local_plan, plan_for, resolve_groups, spec_for
 from .selector import check_backend
 from .spec import check_comm, check_qkv, normalize_softcap, normalize_window
@@ -50,12 +49,7 @@ class _LocalAttention(torch.autograd.Function):
                                               scale=spec.scale, softcap=spec.softcap,
                                               window=spec.window, dlse=dlse)
         grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
-        if torch.is_grad_enabled() and not isinstance(ctx.plan.kernel, TorchKernel):
-            # only the torch kernel's backward is made of differentiable ops (exact double backward)
-            grads = refuse_second_order(grads, (
-                f"cp_softcap: double backward through attention with the {ctx.plan.kernel.name!r} "
-                "kernel is not supported (its backward is not differentiable); pass "
-                "backend='torch' for a loss that differentiates these gradients"))
+        grads = second_order_safe(ctx.plan.kernel, grads, (q, k, v))
         return grads + (None,)
 
 

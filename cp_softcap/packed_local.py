@@ -15,9 +15,10 @@ import torch
 
 from .cp.calls import backward_into, write_calls
 from .cp.grad_accum import GradAccumulator
-from .cp.guard import autocast_off
+from .cp.guard import autocast_off, refuse_second_order
 from .doc_geometry import stream_calls
 from .documents import PackedLayout, check_cu_seqlens
+from .kernels.torch_kernel import TorchKernel
 from .spec import grad_dtype
 
 
@@ -30,6 +31,18 @@ def check_packed(q: torch.Tensor, k: torch.Tensor, cu_seqlens) -> Tuple[int, ...
         raise ValueError(f"cu_seqlens= (packed documents) needs q and k/v over the same stream: "
                          f"q has {q.shape[1]} tokens, k/v have {k.shape[1]}")
     return check_cu_seqlens(cu_seqlens, q.shape[1])
+
+
+def second_order_safe(kernel, grads: tuple, inputs: tuple) -> tuple:
+    """A one-device backward's gradients. Under create_graph=True only the torch kernel's
+    backward is made of differentiable ops (exact double backward); any other kernel's
+    gradients raise when a loss differentiates them."""
+    if not torch.is_grad_enabled() or isinstance(kernel, TorchKernel):
+        return grads
+    return refuse_second_order(grads, inputs, (
+        f"cp_softcap: double backward through attention with the {kernel.name!r} kernel is not "
+        "supported (its backward is not differentiable); pass backend='torch' for a loss that "
+        "differentiates these gradients"))
 
 
 def save_for_local_backward(ctx, plan, q, k, v, out, lse):
@@ -81,4 +94,5 @@ class PackedAttention(torch.autograd.Function):
         dq, dk, dv = (GradAccumulator(x.shape, acc, x.device) for x in (q, k, v))
         backward_into(kernel, dout, q, k, v, out, lse, dlse, ctx.calls, spec.scale,
                       spec.softcap, dq, dk, dv)
-        return dq.result().to(q.dtype), dk.result().to(k.dtype), dv.result().to(v.dtype), None, None
+        grads = dq.result().to(q.dtype), dk.result().to(k.dtype), dv.result().to(v.dtype)
+        return second_order_safe(kernel, grads, (q, k, v)) + (None, None)

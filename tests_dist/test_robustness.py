@@ -116,20 +116,23 @@ def test_every_comm_type_same_inside_and_outside_autocast():
 # ------------------------------------------------------------------ double backward
 
 def _double_backward_worker(rank, world, comm):
-    """loss + a gradient penalty on q: the first-order gradients under create_graph=True equal
-    the plain ones; the penalty's backward raises the double-backward error on every rank."""
+    """A gradient penalty under CP: every way of taking gradients with create_graph=True (all
+    of q, k, v; only k, the way torch.autograd.grad(loss, [k]) would skip a lazy error node)
+    raises the double-backward error on every rank at once, before any message; the group
+    still works after it."""
     import cp_softcap as cps
     group = _groups(comm)
     _, (ql, kl, vl, dl) = _inputs(rank, world, torch.float32, 5.0, seed=3)
     q, k, v = (t.clone().requires_grad_(True) for t in (ql, kl, vl))
-    plain = torch.autograd.grad((cps.cp_attention(q, k, v, group, softcap=5.0, comm=comm) * dl).sum(), q)[0]
+    (cps.cp_attention(q, k, v, group, softcap=5.0, comm=comm) * dl).sum().backward()   # warm-up
     arm()
-    loss = (cps.cp_attention(q, k, v, group, softcap=5.0, comm=comm) * dl).sum()
-    (gq,) = torch.autograd.grad(loss, q, create_graph=True)
-    first_order_exact = torch.equal(gq.detach(), plain)
-    elapsed, msg = _timed(lambda: (loss + gq.pow(2).sum()).backward())
+    report = []
+    for wrt in ((q, k, v), (k,)):
+        loss = (cps.cp_attention(q, k, v, group, softcap=5.0, comm=comm) * dl).sum()
+        report.append(_timed(lambda: torch.autograd.grad(loss, wrt, create_graph=True)))
     after = cps.cp_attention(q, k, v, group, softcap=5.0, comm=comm)    # the group still works
-    return first_order_exact, elapsed, msg, bool(torch.isfinite(after).all())
+    after.sum().backward()
+    return report, bool(torch.isfinite(after).all() and torch.isfinite(q.grad).all())
 
 
 @pytest.mark.timeout(60)
@@ -139,10 +142,11 @@ def test_double_backward_raises_on_every_rank(comm):
     for rank in (0, 1):
         status, value = out[rank]
         assert status == "ok", value
-        exact, elapsed, msg, still_works = value
-        assert exact, f"rank {rank}: first-order gradient under create_graph=True differs"
-        assert msg and msg.startswith("RuntimeError") and "double backward through context-parallel" in msg, msg
-        assert elapsed < TIMEOUT_S and still_works, (elapsed, msg)
+        report, still_works = value
+        for elapsed, msg in report:
+            assert msg and msg.startswith("RuntimeError") and "double backward through context-parallel" in msg, msg
+            assert elapsed < TIMEOUT_S, (elapsed, msg)
+        assert still_works
 
 
 # ------------------------------------------------------------------ a stalled peer at every op

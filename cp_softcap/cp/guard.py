@@ -30,10 +30,11 @@ import torch.distributed as dist
 from ..transport import Call, check_agreement, digest, in_call
 
 DOUBLE_BACKWARD = (
-    "cp_softcap: double backward through context-parallel attention is not supported (a loss "
-    "that differentiates gradients of a CP call, e.g. a gradient penalty taken with "
-    "torch.autograd.grad(..., create_graph=True)); the first-order gradients are exact. Compute "
-    "the penalty without CP (group=None on gathered inputs) or drop it.")
+    "cp_softcap: double backward through context-parallel attention is not supported: this "
+    "backward runs with create_graph=True (e.g. a gradient penalty taken with "
+    "torch.autograd.grad(..., create_graph=True)), and its gradients would not be differentiable. "
+    "Take first-order gradients without create_graph=True, or compute the penalty without CP "
+    "(group=None on gathered inputs, backend='torch').")
 
 CALL_HINT = ("The ranks are in different attention calls: one rank skipped a forward or backward "
              "(e.g. a skip-this-batch handler on one rank only) or the ranks' calls diverged. "
@@ -97,13 +98,30 @@ def autocast_off(fn):
     return run
 
 
-def refuse_second_order(grads: tuple, message: str = DOUBLE_BACKWARD) -> tuple:
-    """Wrap the gradients so that differentiating them raises `message`."""
-    wrapped = [None if g is None else g.detach().requires_grad_() for g in grads]
-    present = [g for g in wrapped if g is not None]
-    error = torch._C._functions.DelayedError(message, len(present))
-    raised = iter(error(*present))
-    return tuple(None if g is None else next(raised) for g in wrapped)
+class _SecondOrderError(torch.autograd.Function):
+    """The gradients as they are, wired to the attention's inputs, with a backward that raises.
+    Because its inputs include q, k and v, every path from a loss that differentiates these
+    gradients to q, k, v (or to anything they came from) passes through this node, so
+    torch.autograd.grad(loss, [k]) and backward(inputs=...) reach the error too, never a
+    silently missing term."""
+
+    @staticmethod
+    def forward(ctx, message, n, *tensors):
+        ctx.message = message
+        return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(ctx.message)
+
+
+def refuse_second_order(grads: tuple, inputs: tuple, message: str) -> tuple:
+    """The gradients (None where absent), made so that differentiating them raises `message`;
+    `inputs`: the tensors they are gradients of (q, k, v)."""
+    present = [g.detach() for g in grads if g is not None]
+    anchors = [t for t in inputs if t is not None and t.requires_grad]
+    raised = iter(_SecondOrderError.apply(message, len(present), *present, *anchors))
+    return tuple(None if g is None else next(raised) for g in grads)
 
 
 def guarded(function: type) -> type:
@@ -120,15 +138,18 @@ def guarded(function: type) -> type:
             return forward(ctx, q, k, v, plan)
 
     def guarded_backward(ctx, *grads):
-        create_graph = torch.is_grad_enabled()
+        if torch.is_grad_enabled():
+            # create_graph=True: raised here, before any message, so every rank doing the same
+            # fails at once and the group stays usable (the CP inputs are not kept for backward,
+            # so the gradients cannot be wired to them as on one device)
+            raise RuntimeError(DOUBLE_BACKWARD)
         call = Call(ctx.cp_call.seq, "backward", ctx.cp_call.digest)
         with ExitStack() as stack:
             _precision(stack)
             stack.enter_context(torch.no_grad())
             stack.enter_context(in_call(call))
             _check_call(ctx.plan, call)
-            result = backward(ctx, *grads)
-        return refuse_second_order(result) if create_graph else result
+            return backward(ctx, *grads)
 
     function.forward = staticmethod(functools.wraps(forward)(guarded_forward))
     function.backward = staticmethod(functools.wraps(backward)(guarded_backward))
