@@ -7,9 +7,11 @@ layers of causal language models.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
 
 from .cp.a2a import A2AAttention
 from .cp.a2a_p2p import A2AP2PAttention
@@ -97,6 +99,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: Opt
     return (out, lse) if return_lse else out
 
 
+def _warn_if_several_ranks() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        warnings.warn(
+            f"cp_softcap: attention with group=None runs on this rank's tensors alone (no context "
+            f"parallelism) although torch.distributed runs {dist.get_world_size()} ranks; if q/k/v "
+            "are sequence shards, pass their CP group (e.g. dist.group.WORLD), else the result is "
+            "attention within each shard only", stacklevel=3)
+
+
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
                  softcap: Optional[float] = None, causal: bool = True, window=None,
                  scale: Optional[float] = None, comm: str = "ring", backend: Backend = "auto",
@@ -107,7 +118,10 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, 
     (cp_softcap.sharding.shard: rank r holds global chunks r and 2cp-1-r of 2cp equal chunks).
     Returns this rank's shard of the output, [B, S/cp, Hq, Dv], in q's dtype. Differentiable.
     softcap/window/scale/causal mean what they mean for cps.attention, in GLOBAL positions.
-    comm: "ring" | "all_gather" | "a2a" | "a2a+p2p" | "auto". group None or of size 1: one device.
+    comm: "ring" | "all_gather" | "a2a" | "a2a+p2p" | "auto". group None or of size 1: one device,
+    no context parallelism (unlike torch.distributed, None is NOT the default group: pass
+    dist.group.WORLD for a CP group of every rank; a warning says so once when None is passed
+    while several ranks run).
 
     cu_seqlens (packed documents): GLOBAL document boundaries [0, e1, ..., T_docs] of the whole
     stream, identical on every rank (1-D integer tensor, list of ints, or a PackedLayout from
@@ -124,6 +138,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, 
     boundaries are not increasing, do not start at 0, end past the stream, differ between
     ranks, or do not match the local shard length.
     """
+    if group is None:
+        _warn_if_several_ranks()
     groups, cp, rank = resolve_groups(group, comm)
     if comm != "a2a+p2p" and cp == 1:
         return attention(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,

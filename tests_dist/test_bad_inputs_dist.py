@@ -172,3 +172,29 @@ def test_bad_input_matrix_under_cp():
             elif not re.search(pattern.replace("{rank}", str(rank)), msg, flags=re.S):
                 problems.append(f"rank {rank} {name}: message does not match {pattern!r}: {msg}")
     assert not problems, "\n".join(problems)
+
+
+def _group_none_worker(rank, world):
+    """group=None while 2 ranks run: one-device attention on this rank's tensors (documented),
+    with a warning naming dist.group.WORLD; the HF function with no CP group set says nothing."""
+    import warnings
+    from cp_softcap.integrations.hf import cp_softcap_attention, use_cp_group
+    _, (q, k, v) = _local(rank=rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = cps.cp_attention(q, k, v, None, softcap=5.0)
+        cps.CPAttention(None, softcap=5.0)(q, k, v)
+    texts = [str(w.message) for w in caught]
+    use_cp_group(None)
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        cp_softcap_attention(torch.nn.Module(), *(t.transpose(1, 2) for t in (q, k, v)), softcap=5.0)
+    same = torch.allclose(out, cps.attention(q, k, v, softcap=5.0))
+    return texts, [str(w.message) for w in quiet if "cp_softcap" in str(w.message)], same
+
+
+def test_group_none_with_several_ranks_warns():
+    for texts, quiet, same in run_ranks(_group_none_worker, 2):
+        assert same
+        assert len(texts) == 2 and all("dist.group.WORLD" in t and "2 ranks" in t for t in texts), texts
+        assert quiet == [], quiet

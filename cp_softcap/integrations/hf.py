@@ -219,6 +219,9 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         out = attention(q, k, v, softcap=softcap, causal=causal, window=window, scale=scaling,
                         backend=_CONFIG["backend"], cu_seqlens=cu)
         return out.reshape(b, sq, *out.shape[2:]), None
+    if group is None:                  # no CP group set: plain attention (DP-only runs too)
+        return attention(q, k, v, softcap=softcap, causal=causal, window=window, scale=scaling,
+                         backend=_CONFIG["backend"]), None
     docs = {} if cu is None else {"cu_seqlens": cu}
     out = cp_attention(q, k, v, group, softcap=softcap, causal=causal, window=window, scale=scaling,
                        comm=comm, backend=_CONFIG["backend"], **docs)
