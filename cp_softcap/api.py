@@ -68,7 +68,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: Opt
     aligned to the END of the keys when Sq != Sk (flash-attn's bottom-right convention).
     causal=True forces right = 0. backend: "auto", a kernel name, or a Kernel instance.
     Returns out [B, Sq, Hq, Dv] in q's dtype, and with return_lse=True also lse [B, Hq, Sq]
-    (float32; -inf for rows that see no key), differentiable.
+    (float32, float64 for float64 inputs; -inf for rows that see no key), differentiable.
 
     cu_seqlens (packed documents): boundaries [0, e1, ..., T_docs] (1-D integer tensor or list of
     ints) of the documents packed into one stream, q/k/v [1, T, H, D] (a batch of B streams

@@ -399,7 +399,7 @@ def _finish(plan: Plan, groups: tuple, rank: int) -> Plan:
     if comm in ("a2a", "a2a+p2p"):
         group = groups[0]
         size = dist.get_world_size(group)
-        check_heads(spec.num_heads, size, rank)
+        check_heads(spec.num_heads, size, rank, comm)
         heads = Heads(group, size, _tuples(query_head_index(spec.num_heads, size)),
                       _tuples(kv_head_index(spec.num_heads, spec.num_kv_heads, size)), layout is None)
     if comm != "a2a":

@@ -41,11 +41,13 @@ def heads_divide(num_heads: int, ranks: int) -> bool:
     return num_heads % ranks == 0
 
 
-def check_heads(hq: int, inner: int, rank: int) -> None:
+def check_heads(hq: int, inner: int, rank: int, comm: str = "a2a") -> None:
     if not heads_divide(hq, inner):
-        raise ValueError(f"comm='a2a' needs the query head count divisible by the all-to-all group "
+        fix = ("a smaller a2a group (make_hybrid_groups(group, a2a_size) with a2a_size dividing "
+               f"{hq})" if comm == "a2a+p2p" else "comm='a2a+p2p' with a smaller inner group")
+        raise ValueError(f"comm={comm!r} needs the query head count divisible by the all-to-all group "
                          f"size: {hq} heads, group of {inner} (rank {rank}); use comm='ring' or "
-                         "comm='all_gather', or comm='a2a+p2p' with a smaller inner group")
+                         f"comm='all_gather', or {fix}")
 
 
 def query_head_index(hq: int, ranks: int) -> List[List[int]]:
