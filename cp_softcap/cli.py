@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from .cp.a2a import heads_divide
 from .selector import select
 from .spec import COMM_TYPES, make_spec
 
@@ -49,8 +50,30 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _usage_problems(a) -> list:
+    """What the parser's types cannot see: counts below 1, options that would be ignored, and
+    all-to-all head splits that cannot work."""
+    problems = []
+    if a.heads < 1 or (a.kv_heads is not None and a.kv_heads < 1):
+        problems.append(f"--heads {a.heads} / --kv-heads {a.kv_heads}: every head count must be >= 1")
+    if a.a2a_size is not None and not a.seq_len:
+        problems.append("--a2a-size only models comm='a2a+p2p' bytes, which needs --seq-len")
+    if a.comm == "a2a+p2p" and a.a2a_size is None:
+        problems.append("--comm a2a+p2p needs --a2a-size (the all-to-all group size)")
+    inner = a.cp if a.comm == "a2a" else a.a2a_size if a.comm == "a2a+p2p" else None
+    if inner and a.heads >= 1 and not heads_divide(a.heads, inner):
+        problems.append(f"--comm {a.comm}: {a.heads} query heads cannot be split over an all-to-all "
+                        f"group of {inner}; use --comm ring or all_gather, or a group size dividing "
+                        f"{a.heads}")
+    return problems
+
+
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
+    problems = _usage_problems(a)
+    if problems:
+        print("error: " + "; ".join(problems), file=sys.stderr)
+        return 2
     try:
         spec = make_spec(head_dim=a.head_dim, num_heads=a.heads, num_kv_heads=a.kv_heads or a.heads,
                          dtype=_DTYPES[a.dtype], device_type=a.device, softcap=a.softcap,

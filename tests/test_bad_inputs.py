@@ -261,6 +261,11 @@ MATRIX = [
     ("cli-comm-unknown", lambda: cli("--comm", "nccl"), 2, r"invalid choice: 'nccl'.*choose from.*ring"),
     ("cli-dtype-unknown", lambda: cli("--dtype", "int8"), 2, r"invalid choice: 'int8'"),
     ("cli-head-dim-0", lambda: cli("--head-dim", "0"), 2, r"head_dim=0"),
+    ("cli-heads-0", lambda: cli("--heads", "0"), 2, r"every head count must be >= 1"),
+    ("cli-a2a-heads-indivisible", lambda: cli("--cp", "3", "--comm", "a2a"), 2,
+     r"16 query heads cannot be split over an all-to-all group of 3"),
+    ("cli-a2a-size-without-seq-len", lambda: cli("--a2a-size", "2"), 2, r"needs --seq-len"),
+    ("cli-a2a-p2p-without-size", lambda: cli("--comm", "a2a+p2p", "--cp", "4"), 2, r"needs --a2a-size"),
     ("cli-ok", lambda: cli("--softcap", "50", "--cp", "2", "--device", "cpu", "--dtype", "fp32",
                            "--window", "4095", "0", "--causal"), 0, r"torch +CHOSEN"),
 ]
