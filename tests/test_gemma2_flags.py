@@ -87,3 +87,21 @@ def test_plan_rows_move_the_right_way():
     assert fsdp["parameters (float32)"] * 8 == none["parameters (float32)"]
     long = rows(seq_len=131072)
     assert 3.9 < long[acts] / none[acts] < 4.1
+
+
+def test_readme_plan_example_prints_what_readme_says(capsys):
+    """The README's 9b `--plan` command, run as written, refuses with the numbers README quotes
+    (it names --device-mem-gib, so the result does not depend on this machine's memory)."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    cmd = next(line.strip("`") for line in readme.splitlines()
+               if line.startswith("`python examples/gemma2/train.py --plan"))
+    argv = cmd.split()[2:]
+    assert "--device-mem-gib" in argv
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    after = readme[readme.index(cmd):][:400]
+    assert "refuses (313 GiB per rank)" in " ".join(after.split())
+    assert "needs about 313.1 GiB per rank but the device has 139.0 GiB" in out
+    assert "--fsdp --ac selective (100.9 GiB), --fsdp --ac full (29.7 GiB)" in out
