@@ -83,7 +83,8 @@ def spy(monkeypatch):
     seen, real = [], hf_int.attention
 
     def attention(*a, cu_seqlens=None, **kw):
-        seen.append(torch.as_tensor(cu_seqlens).tolist())
+        if cu_seqlens is not None:          # unpacked calls (one document alone) pass none
+            seen.append(torch.as_tensor(cu_seqlens).tolist())
         return real(*a, cu_seqlens=cu_seqlens, **kw)
     monkeypatch.setattr(hf_int, "attention", attention)
     return seen
