@@ -105,3 +105,49 @@ def test_readme_plan_example_prints_what_readme_says(capsys):
     assert "refuses (313 GiB per rank)" in " ".join(after.split())
     assert "needs about 313.1 GiB per rank but the device has 139.0 GiB" in out
     assert "--fsdp --ac selective (100.9 GiB), --fsdp --ac full (29.7 GiB)" in out
+
+
+def _errors(argv, capsys, monkeypatch) -> str:
+    """flags.parse's report for argv on a plain one-process run (status 2)."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "CP_SOFTCAP_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as e:
+        flags.parse(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_bad_numbers_are_refused_with_the_flags(capsys, monkeypatch):
+    err = _errors(["--lr", "nan", "--min-lr-ratio", "-3", "--weight-decay", "-1"], capsys, monkeypatch)
+    assert "--lr must be a finite number, got nan" in err
+    assert "--min-lr-ratio must be in [0, 1]" in err and "got -3.0" in err
+    assert "--weight-decay must be >= 0, got -1.0" in err
+    err = _errors(["--lr", "0", "--min-lr-ratio", "1.5"], capsys, monkeypatch)
+    assert "--lr must be > 0, got 0.0" in err and "got 1.5" in err
+
+
+def test_backend_is_checked_with_the_flags(capsys, monkeypatch):
+    err = _errors(["--backend", "flash2"], capsys, monkeypatch)
+    assert "--backend flash2: backend='flash2' is not a kernel" in err and "'fa2'" in err
+    err = _errors(["--backend", "sdpa"], capsys, monkeypatch)
+    assert "--backend sdpa cannot serve the sliding layers" in err and "softcap=50.0" in err
+    err = _errors(["--backend", "fa2", "--device", "cpu"], capsys, monkeypatch)
+    assert "--backend fa2 cannot serve" in err and "does not run on cpu" in err
+    assert "use --backend auto (here: torch)" in err
+    monkeypatch.setattr(flags, "device_type", lambda args: "cpu")
+    args, _, _ = flags.parse(["--backend", "torch"])
+    assert args.backend == "torch"
+
+
+def test_output_paths_are_checked_before_training(tmp_path, capsys, monkeypatch):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    err = _errors(["--ckpt-dir", str(afile), "--metrics", str(tmp_path / "nodir" / "m.jsonl")],
+                  capsys, monkeypatch)
+    assert f"--ckpt-dir '{afile}' exists and is not a directory" in err
+    assert f"its directory {tmp_path / 'nodir'} does not exist" in err
+    err = _errors(["--ckpt-dir", str(afile / "sub"), "--metrics", str(tmp_path)], capsys, monkeypatch)
+    assert f"cannot be created: {afile} is a file" in err and "is a directory; pass a file" in err
+    args, _, _ = flags.parse(["--ckpt-dir", str(tmp_path / "new" / "ckpt"),
+                              "--metrics", str(tmp_path / "m.jsonl")])
+    assert not (tmp_path / "new").exists()     # checked, not created: rank 0 creates it at the first save

@@ -8,6 +8,7 @@ has printed.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -52,7 +53,8 @@ def parser(doc: str) -> Parser:
       help="CP algorithm: ring (zigzag ring), all_gather, a2a (Ulysses: query heads %% cp == 0), "
       "a2a+p2p (a2a in groups of --a2a-size, ring across them), auto (fewest bytes per rank)")
     a("--a2a-size", type=int, help="all-to-all group size for --comm a2a+p2p (divides cp and the heads)")
-    a("--backend", default="auto", help="attention kernel (auto = cp_softcap's selector)")
+    a("--backend", default="auto", help="attention kernel: auto (cp_softcap's selector) or one of "
+      "fa2, fa3, fa4, flex, sdpa, torch; it must serve this run's softcap, windows and device")
     a("--device", default="auto", choices=("auto", "cpu", "cuda"))
     a("--dtype", default="auto", choices=DTYPES,
       help="compute dtype over float32 weights (autocast); auto = bfloat16 on GPU, float32 on CPU")
@@ -80,7 +82,8 @@ def parser(doc: str) -> Parser:
     a("--ckpt-every", type=int, default=0, help="save every N steps (0 = only at the end)")
     a("--keep", type=int, default=2, help="complete checkpoints to keep in --ckpt-dir: older ones "
       "are deleted after each save (0 = keep all)")
-    a("--metrics", help="append one JSON line per step here (rank 0); mfu is null on CPU")
+    a("--metrics", help="append one JSON line per step here (rank 0; its directory must exist); "
+      "mfu is null on CPU")
     a("--log-every", type=int, default=1, help="print a metrics line every N steps")
     a("--no-progress", action="store_true", help="no progress bar")
     a("--plan", action="store_true", help="print the per-rank memory plan for --world-size ranks "
@@ -94,14 +97,28 @@ def parser(doc: str) -> Parser:
 
 _AT_LEAST = (("seq_len", 1), ("batch_size", 1), ("max_steps", 1), ("stop_after", 1), ("warmup", 0),
              ("ckpt_every", 0), ("keep", 0), ("log_every", 1), ("cp", 1), ("loss_chunk", 1),
-             ("world_size", 1), ("grad_clip", 0), ("lr", 0), ("device_mem_gib", 0))
+             ("world_size", 1), ("grad_clip", 0), ("weight_decay", 0), ("device_mem_gib", 0))
+_FLOATS = ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "device_mem_gib")
 
 
-def _problems(args, world: int, cfg):
+def _number_problems(args):
+    for name in _FLOATS:
+        value = getattr(args, name)
+        if value is not None and not math.isfinite(value):
+            yield f"--{name.replace('_', '-')} must be a finite number, got {value}"
     for name, low in _AT_LEAST:
         value = getattr(args, name)
         if value is not None and value < low:
             yield f"--{name.replace('_', '-')} must be >= {low}, got {value}"
+    if math.isfinite(args.lr) and args.lr <= 0:
+        yield f"--lr must be > 0, got {args.lr}"
+    if math.isfinite(args.min_lr_ratio) and not 0 <= args.min_lr_ratio <= 1:
+        yield (f"--min-lr-ratio must be in [0, 1] (the cosine ends at lr * ratio), "
+               f"got {args.min_lr_ratio}")
+
+
+def _problems(args, world: int, cfg):
+    yield from _number_problems(args)
     cp = args.cp or world
     if args.cp and world % args.cp:
         yield (f"--cp {args.cp} must divide the world size {world} (dp = world / cp); "
@@ -119,11 +136,72 @@ def _problems(args, world: int, cfg):
         yield str(e)
     if not args.model_dir and cfg.vocab_size < ByteTokenizer.vocab_size:
         yield f"config {args.config} has vocab {cfg.vocab_size} < {ByteTokenizer.vocab_size} byte tokens"
+    yield from _backend_problems(args, cp, cfg)
+    yield from _path_problems(args)
     if args.compile and device_type(args) == "cpu" and not any(map(shutil.which, ("g++", "c++", "clang++"))):
         yield "--compile on CPU needs a C++ compiler (g++, c++ or clang++) on PATH; install one or drop --compile"
     if args.device == "cuda" and device_type(args) != "cuda" and not args.plan:
         yield (f"--device cuda needs one GPU per local rank ({local_world()} on this node); "
                f"use --nproc-per-node <= the GPU count or --device cpu")
+
+
+def _backend_problems(args, cp: int, cfg):
+    """--backend (or CP_SOFTCAP_BACKEND) must name a kernel that can serve both layer kinds on
+    this run's device and dtype: the selector's own verdict, before anything is built."""
+    from cp_softcap import selector
+    from .metrics import layer_specs
+    try:
+        selector.check_backend(args.backend)
+        forced = selector.requested_backend(args.backend)
+    except ValueError as e:
+        yield f"--backend {args.backend}: {e}"
+        return
+    if forced is None:      # auto: the selector falls back to the torch kernel, which serves all
+        return
+    import torch
+    specs = layer_specs(cfg, cp, args, device_type(args), getattr(torch, compute_dtype(args)))
+    for kind, spec in specs:
+        reason = selector.rejection(forced, spec)
+        if reason:
+            able = [n for n in selector.KERNEL_NAMES
+                    if not any(selector.rejection(n, s) for _, s in specs)]
+            yield (f"--backend {forced} cannot serve the {kind} layers on {device_type(args)}: {reason}; "
+                   f"use --backend auto (here: {' or '.join(able) or 'no kernel'})")
+            return
+
+
+def _creatable_dir(path: str):
+    """None when `path` is a writable directory or can be made one, else the reason it cannot."""
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            return "exists and is not a directory"
+        return None if os.access(path, os.W_OK | os.X_OK) else "is not writable"
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"cannot be created: {parent} is a file, not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be created: {parent} is not writable"
+    return None
+
+
+def _path_problems(args):
+    """Output paths are checked now, not at the first save after hours of training."""
+    if args.ckpt_dir is not None:
+        reason = _creatable_dir(args.ckpt_dir)
+        if reason:
+            yield f"--ckpt-dir {args.ckpt_dir!r} {reason}; pass a directory (created if missing)"
+    if args.metrics is not None:
+        parent = os.path.dirname(os.path.abspath(args.metrics))
+        if os.path.isdir(args.metrics):
+            yield f"--metrics {args.metrics!r} is a directory; pass a file path (lines are appended)"
+        elif not os.path.isdir(parent):
+            yield (f"--metrics {args.metrics!r}: its directory {parent} does not exist; create it "
+                   "first (--metrics does not create directories)")
+        elif not os.access(args.metrics if os.path.exists(args.metrics) else parent, os.W_OK):
+            yield f"--metrics {args.metrics!r} is not writable"
 
 
 def local_world() -> int:

@@ -89,15 +89,20 @@ def describe(args, cfg, d, n_params: int, start: int) -> str:
             + (", compiled" if args.compile else "") + (f", resumed from step {start}" if start else ""))
 
 
+def layer_specs(cfg, cp: int, args, device_type: str, dtype: torch.dtype) -> list:
+    """[(kind, AttnSpec)] of the sliding-window and the full attention layers of this run."""
+    import cp_softcap as cps
+    return [(kind, cps.make_spec(head_dim=cfg.head_dim, num_heads=cfg.num_attention_heads,
+                                 num_kv_heads=cfg.num_key_value_heads, dtype=dtype,
+                                 device_type=device_type, softcap=cfg.attn_logit_softcapping,
+                                 causal=True, window=window, scale=cfg.scale, cp_size=cp,
+                                 comm=args.comm, documents=args.pack))
+            for kind, window in (("sliding", (cfg.sliding_window - 1, 0)), ("full", None))]
+
+
 def kernel_choice(cfg, cp: int, args, device_type: str, dtype: torch.dtype) -> Optional[str]:
     """The kernel cp_softcap's selector picks for the sliding and the full layers (raises, naming
     every kernel's reason, when none can serve them)."""
     import cp_softcap as cps
-    picks = []
-    for kind, window in (("sliding", (cfg.sliding_window - 1, 0)), ("full", None)):
-        spec = cps.make_spec(head_dim=cfg.head_dim, num_heads=cfg.num_attention_heads,
-                             num_kv_heads=cfg.num_key_value_heads, dtype=dtype, device_type=device_type,
-                             softcap=cfg.attn_logit_softcapping, causal=True, window=window,
-                             scale=cfg.scale, cp_size=cp, comm=args.comm)
-        picks.append(f"{kind} layers -> {cps.select(spec, args.backend).name}")
-    return ", ".join(picks)
+    return ", ".join(f"{kind} layers -> {cps.select(spec, args.backend).name}"
+                     for kind, spec in layer_specs(cfg, cp, args, device_type, dtype))
