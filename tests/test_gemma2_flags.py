@@ -7,11 +7,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-from gemma2 import flags, memory, train  # noqa: E402
+from gemma2 import data, flags, memory, train  # noqa: E402
 from gemma2.config import get_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -151,3 +152,72 @@ def test_output_paths_are_checked_before_training(tmp_path, capsys, monkeypatch)
     args, _, _ = flags.parse(["--ckpt-dir", str(tmp_path / "new" / "ckpt"),
                               "--metrics", str(tmp_path / "m.jsonl")])
     assert not (tmp_path / "new").exists()     # checked, not created: rank 0 creates it at the first save
+
+
+def _model_dir(path, vocab=300, tokenizer=False):
+    path.mkdir()
+    (path / "config.json").write_text(
+        '{"model_type": "gemma2", "vocab_size": %d, "hidden_size": 64, "intermediate_size": 128, '
+        '"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, '
+        '"head_dim": 16}' % vocab)
+    (path / "model.safetensors").write_bytes(b"")
+    if tokenizer:
+        (path / "tokenizer.json").write_text("{}")
+    return str(path)
+
+
+def test_model_dir_without_tokenizer_or_weights_is_refused(tmp_path, capsys, monkeypatch):
+    md = _model_dir(tmp_path / "ckpt")
+    err = _errors(["--model-dir", md], capsys, monkeypatch)
+    assert f"--model-dir '{md}' has no tokenizer (tokenizer.json or tokenizer.model)" in err
+    ids = tmp_path / "ids.pt"
+    torch.save(torch.arange(1000) % 300, ids)       # token ids need no tokenizer
+    monkeypatch.setattr(flags, "device_type", lambda args: "cpu")
+    args, cfg, _ = flags.parse(["--model-dir", md, "--data", str(ids)])
+    assert cfg.vocab_size == 300
+    torch.save(torch.arange(1000), ids)
+    err = _errors(["--model-dir", md, "--data", str(ids)], capsys, monkeypatch)
+    assert "has token id 999 >= vocab size 300" in err
+    os.remove(os.path.join(md, "model.safetensors"))
+    err = _errors(["--model-dir", md], capsys, monkeypatch)
+    assert f"no *.safetensors in --model-dir '{md}'" in err and "has no tokenizer" in err
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{bad json")
+    err = _errors(["--model-dir", str(bad)], capsys, monkeypatch)
+    assert f"{bad / 'config.json'} is not valid JSON" in err
+
+
+@pytest.mark.parametrize("name, content, extra, message", [
+    ("missing.txt", None, [], "does not exist"),
+    ("empty.txt", b"", [], "holds no text"),
+    ("blank.txt", b"\n\n  \n", ["--pack", "--batch-size", "1"], "holds no text"),
+    ("bin.dat", bytes(range(256)), [], "is not UTF-8 text"),
+    ("tiny.txt", b"abc", [], "the corpus has 3 tokens, fewer than --seq-len 256 + 1"),
+    ("float.pt", torch.rand(500), [], "must hold a 1-D integer tensor of token ids, got Tensor torch.float32"),
+    ("rows.pt", torch.zeros(2, 500, dtype=torch.long), [], "must hold a 1-D integer tensor"),
+    ("bool.pt", torch.ones(500, dtype=torch.bool), [], "must hold a 1-D integer tensor"),
+    ("empty.pt", torch.zeros(0, dtype=torch.long), [], "holds an empty tensor"),
+    ("neg.pt", torch.tensor([5] * 300 + [-5]), [], "holds token id -5 at position 300; ids must be >= 0"),
+    ("big.pt", torch.tensor([5] * 300 + [259]), [], "has token id 259 >= vocab size 259"),
+    ("eos.pt", torch.ones(300, dtype=torch.long), ["--pack", "--batch-size", "1"], "--pack found no documents"),
+    ("junk.pt", b"not a pickle", [], "could not be read as a torch.save file"),
+])
+def test_data_is_checked_with_the_flags(tmp_path, capsys, monkeypatch, name, content, extra, message):
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        torch.save(content, path)
+    err = _errors(["--data", str(path), *extra], capsys, monkeypatch)
+    assert message in err, err
+
+
+def test_loader_and_check_share_one_validation(tmp_path):
+    neg = tmp_path / "neg.pt"
+    torch.save(torch.tensor([3, -1]), neg)
+    for load in (data.load_tokens, data.load_documents):
+        with pytest.raises(ValueError, match="holds token id -1 at position 1"):
+            load(str(neg))
+    with pytest.raises(FileNotFoundError, match="has no tokenizer"):
+        data.load_tokens(None, model_dir=str(tmp_path))

@@ -71,8 +71,13 @@ def from_hf_json(model_dir: str) -> Gemma2Config:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json in --model-dir {model_dir!r}; point it at a local "
                                 "HF Gemma2 checkpoint directory (config.json + *.safetensors)")
-    with open(path) as f:
-        raw = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except ValueError as e:     # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON ({e}); restore the checkpoint's config.json") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not an object of config fields")
     if raw.get("model_type") not in (None, "gemma2"):
         raise ValueError(f"{path} has model_type={raw.get('model_type')!r}; this example builds Gemma2 "
                          "(model_type 'gemma2')")

@@ -14,7 +14,8 @@ import shutil
 import sys
 
 from .config import CONFIGS, from_hf_json, get_config
-from .data import ByteTokenizer
+from .data import ByteTokenizer, check_data
+from .model import weight_files
 from .parallel import COMMS, check_comm
 from .parallelize import AC_MODES
 
@@ -138,6 +139,7 @@ def _problems(args, world: int, cfg):
         yield f"config {args.config} has vocab {cfg.vocab_size} < {ByteTokenizer.vocab_size} byte tokens"
     yield from _backend_problems(args, cp, cfg)
     yield from _path_problems(args)
+    yield from _input_problems(args, cfg)
     if args.compile and device_type(args) == "cpu" and not any(map(shutil.which, ("g++", "c++", "clang++"))):
         yield "--compile on CPU needs a C++ compiler (g++, c++ or clang++) on PATH; install one or drop --compile"
     if args.device == "cuda" and device_type(args) != "cuda" and not args.plan:
@@ -168,6 +170,20 @@ def _backend_problems(args, cp: int, cfg):
             yield (f"--backend {forced} cannot serve the {kind} layers on {device_type(args)}: {reason}; "
                    f"use --backend auto (here: {' or '.join(able) or 'no kernel'})")
             return
+
+
+def _input_problems(args, cfg):
+    """--data and --model-dir, read now with the loader's own checks (data.check_data)."""
+    if args.model_dir:
+        try:
+            weight_files(args.model_dir)
+        except (OSError, ValueError) as e:
+            yield str(e)
+    try:
+        check_data(args.data, vocab_size=cfg.vocab_size, seq_len=args.seq_len, pack=args.pack,
+                   model_dir=args.model_dir, eos_id=cfg.eos_token_id)
+    except (OSError, ValueError) as e:
+        yield str(e)
 
 
 def _creatable_dir(path: str):

@@ -218,6 +218,29 @@ def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            reduction="sum")
 
 
+def weight_files(model_dir: str) -> list:
+    """The checkpoint's *.safetensors files (those its index names, when it has one), all present."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                names = json.load(f)["weight_map"].values()
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a safetensors index (a JSON object with a "
+                             f"'weight_map'): {type(e).__name__}: {e}") from None
+        files = sorted({os.path.join(model_dir, v) for v in names})
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise FileNotFoundError(f"{index} names {len(missing)} file(s) that are not there: "
+                                    f"{', '.join(map(os.path.basename, missing[:3]))}")
+    else:
+        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in --model-dir {model_dir!r}; a HF Gemma2 checkpoint "
+                                "directory holds config.json, the weights and the tokenizer")
+    return files
+
+
 def load_hf_weights(model: Gemma2, model_dir: str) -> None:
     """Copy an HF Gemma2 checkpoint (model_dir/*.safetensors) into `model`, in place.
 
@@ -226,14 +249,7 @@ def load_hf_weights(model: Gemma2, model_dir: str) -> None:
     """
     from safetensors import safe_open
 
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted({os.path.join(model_dir, v) for v in json.load(f)["weight_map"].values()})
-    else:
-        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in --model-dir {model_dir!r}")
+    files = weight_files(model_dir)
     params = dict(model.named_parameters())
     seen = set()
     with torch.no_grad():

@@ -25,7 +25,7 @@ if __package__ in (None, ""):   # run as a script: make `gemma2` importable from
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gemma2 import checkpoint, flags, memory, metrics, parallel, parallelize  # noqa: E402
-from gemma2.data import get_batch, get_packed_batch, load_documents, load_tokens  # noqa: E402
+from gemma2.data import check_ids, get_batch, get_packed_batch, load_documents, load_tokens  # noqa: E402
 from gemma2.model import Gemma2, load_hf_weights  # noqa: E402
 from gemma2.step import loss_and_grads, packed_loss_and_grads  # noqa: E402
 
@@ -84,9 +84,7 @@ def build(args, cfg, d: parallel.Dist):
     else:
         tokens = load_tokens(args.data, args.model_dir)
         top = int(tokens.max())
-    if top >= cfg.vocab_size:
-        raise ValueError(f"token id {top} >= vocab size {cfg.vocab_size}; the tokenizer "
-                         "does not match the model config")
+    check_ids(top, cfg.vocab_size, "the tokenized corpus")
     return model, opt, tokens
 
 
