@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 import tempfile
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,20 +26,45 @@ def cp_size(world: int, dp: int, seq_len: int) -> int:
     return cp
 
 
-def parse_dp_args(doc: str, argv, nproc: int, dp: int, seq_len: int) -> argparse.Namespace:
-    """--nproc and --dp; when the ranks are spawned here (not under torchrun), a split that
-    does not fit is a usage error before any process starts."""
+def usage_error(p: argparse.ArgumentParser, message: str) -> None:
+    """Usage error, status 2. Under torchrun rank 0 alone prints it; the other ranks exit 0
+    quietly, so that torchrun cannot stop rank 0 before it has printed (its status 2 fails the job)."""
+    if os.environ.get("RANK", "0") != "0":
+        sys.exit(0)
+    p.error(message)
+
+
+def parse_args(doc: str, argv, nproc: int, *, dp: Optional[int] = None, seq_len: int = 0,
+               check: Optional[Callable[[int], None]] = None) -> argparse.Namespace:
+    """--nproc (and --dp when dp is given), checked before any process starts: at least one
+    rank to spawn, dp dividing the ranks with 2 * cp dividing seq_len, and check(world) (raises
+    ValueError) for what the example itself needs. world: torchrun's WORLD_SIZE, else --nproc."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--nproc", type=int, default=nproc,
                    help=f"ranks to spawn when not under torchrun (default {nproc})")
-    p.add_argument("--dp", type=int, default=dp, help=f"data-parallel size; cp = ranks / dp (default {dp})")
+    if dp is not None:
+        p.add_argument("--dp", type=int, default=dp,
+                       help=f"data-parallel size; cp = ranks / dp (default {dp})")
     a = p.parse_args(argv)
-    if "RANK" not in os.environ:
-        try:
-            cp_size(a.nproc, a.dp, seq_len)
-        except ValueError as e:
-            p.error(str(e))
+    if "RANK" in os.environ:
+        world = int(os.environ.get("WORLD_SIZE", 1))
+    elif a.nproc < 1:
+        usage_error(p, f"--nproc must be >= 1 (the ranks to spawn), got {a.nproc}")
+    else:
+        world = a.nproc
+    try:
+        if dp is not None:
+            cp_size(world, a.dp, seq_len)
+        if check is not None:
+            check(world)
+    except ValueError as e:
+        usage_error(p, str(e))
     return a
+
+
+def parse_dp_args(doc: str, argv, nproc: int, dp: int, seq_len: int) -> argparse.Namespace:
+    """--nproc and --dp; a split that does not fit is a usage error before any process starts."""
+    return parse_args(doc, argv, nproc, dp=dp, seq_len=seq_len)
 
 
 def _spawned(rank: int, world: int, init_file: str, run_rank, args) -> None:

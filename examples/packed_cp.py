@@ -15,14 +15,13 @@ README.md (tests/test_readme.py checks that they agree).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 import torch.distributed as dist
 
 import cp_softcap as cps
-from _launch import run_ranks       # examples/_launch.py: torchrun or spawned ranks
+from _launch import parse_args, run_ranks   # examples/_launch.py: torchrun or spawned ranks
 
 # [README:packed begin]
 DOCS = [1, 37, 150, 9, 60, 3]      # document lengths; 260 tokens of documents, then padding
@@ -45,6 +44,9 @@ def packed_step(q, k, v, dout, group, comm):
 # [README:packed end]
 
 
+HEADS = 4                          # query heads (= kv heads) of the test tensors
+
+
 def one_document_at_a_time(q, k, v, dout):
     """float64 output and gradients of every document attended on its own (padding: 0)."""
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
@@ -58,7 +60,7 @@ def one_document_at_a_time(q, k, v, dout):
 def run_rank() -> int:
     group, cp, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    q, k, v, dout = (torch.randn(1, S, 4, 16) * 4 for _ in range(4))
+    q, k, v, dout = (torch.randn(1, S, HEADS, 16) * 4 for _ in range(4))
     ref_out, ref_grads = one_document_at_a_time(q, k, v, dout)
     worst = 0.0
     shard = lambda t: cps.sharding.shard(t, cp, rank, cu_seqlens=cu)     # noqa: E731
@@ -81,10 +83,16 @@ def run_rank() -> int:
     return 0 if ok else 1
 
 
+def check_ranks(world: int) -> None:
+    """The a2a case splits the HEADS query heads over the ranks, so their number must divide it."""
+    if HEADS % world:
+        ok = [n for n in range(1, HEADS + 1) if HEADS % n == 0]
+        raise ValueError(f"{world} ranks: this example also runs comm='a2a', which splits its {HEADS} "
+                         f"query heads over the ranks; use {', '.join(map(str, ok))} ranks")
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--nproc", type=int, default=4, help="ranks to spawn when not under torchrun (default 4)")
-    a = p.parse_args(argv)
+    a = parse_args(__doc__, argv, nproc=4, check=check_ranks)
     return run_ranks(run_rank, a.nproc)
 
 
