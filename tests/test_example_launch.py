@@ -48,3 +48,22 @@ def test_packed_cp_refuses_ranks_its_a2a_case_cannot_take(capsys, monkeypatch):
 def test_dp_split_is_checked(capsys):
     err = _usage_error(minimal_cp.main, ["--nproc", "4", "--dp", "3"], capsys)
     assert "--dp 3 does not divide the number of ranks 4" in err
+
+
+def test_hf_trainer_flags_are_checked_once_before_setup(capsys, monkeypatch):
+    pytest.importorskip("transformers")
+    from gemma2 import hf_trainer
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    for argv, message in ((["--cp", "3"], "--cp 3 must divide the 4 ranks (dp = ranks / cp); use one of 1, 2, 4"),
+                          (["--cp", "0"], "--cp must be >= 1, got 0"),
+                          (["--comm", "a2a+p2p"], "invalid choice: 'a2a+p2p'"),
+                          (["--comm", "bogus"], "invalid choice: 'bogus'"),
+                          (["--cp", "4", "--comm", "a2a", "--steps", "0"], "--steps must be >= 1")):
+        err = _usage_error(hf_trainer.parse, argv, capsys)
+        assert message in err, (argv, err)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as e:
+        hf_trainer.parse(["--cp", "3"])
+    assert e.value.code == 0 and capsys.readouterr().err == ""
+    assert hf_trainer.parse(["--cp", "4", "--comm", "a2a"]).comm == "a2a"

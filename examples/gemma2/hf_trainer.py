@@ -17,6 +17,8 @@ the whole global batch, as on one process. Needs transformers and accelerate
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import tempfile
 
 import torch
@@ -70,15 +72,51 @@ def training_args(output_dir: str, **overrides) -> transformers.TrainingArgument
     return transformers.TrainingArguments(**kw)
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cp", type=int, default=2, help="CP size; dp = ranks / cp (default 2)")
-    p.add_argument("--comm", default="ring", help="ring | all_gather | a2a | auto (default ring)")
+HEADS = 4                                 # tiny_gemma2's query heads
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """Usage errors once: under torchrun rank 0 prints and exits 2, the other ranks exit 0
+        quietly (so that torchrun cannot stop rank 0 before it has printed)."""
+        if os.environ.get("RANK", "0") != "0":
+            sys.exit(0)
+        super().error(message)
+
+
+def parse(argv=None) -> argparse.Namespace:
+    """The flags, checked against torchrun's WORLD_SIZE before any process group exists."""
+    p = _Parser(description=__doc__.split("\n")[0])
+    p.add_argument("--cp", type=int, default=2, help="CP size, dividing the ranks; dp = ranks / cp (default 2)")
+    p.add_argument("--comm", default="ring", choices=("ring", "all_gather", "a2a", "auto"),
+                   help="CP algorithm (default ring); a2a needs cp to divide the 4 query heads. Not "
+                   "a2a+p2p: it needs a hybrid group from cp_softcap.make_hybrid_groups, and CPTrainer "
+                   "takes the mesh's flat cp group")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps (default 4)")
     p.add_argument("--seq-len", type=int, default=64, help="longest document (default 64)")
     p.add_argument("--unpacked", action="store_true",
                    help="one document per row, padded to --seq-len (a multiple of 2 * cp)")
     a = p.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    problems = [f"--{name} must be >= {low}, got {getattr(a, name.replace('-', '_'))}"
+                for name, low in (("cp", 1), ("steps", 1), ("seq-len", 2))
+                if getattr(a, name.replace("-", "_")) < low]
+    if a.cp >= 1 and world % a.cp:
+        problems.append(f"--cp {a.cp} must divide the {world} ranks (dp = ranks / cp); use one of "
+                        f"{', '.join(str(c) for c in range(1, world + 1) if world % c == 0)}")
+    elif a.cp >= 1 and a.comm == "a2a" and HEADS % a.cp:
+        problems.append(f"--comm a2a splits the {HEADS} query heads over cp={a.cp} ranks; use a --cp "
+                        "that divides 4, or --comm ring / all_gather / auto")
+    if a.cp >= 1 and a.unpacked and a.seq_len % (2 * a.cp):
+        problems.append(f"--unpacked rows of --seq-len {a.seq_len} must be a multiple of 2 * cp = "
+                        f"{2 * a.cp}")
+    if problems:
+        p.error("\n  " + "\n  ".join(problems) if len(problems) > 1 else problems[0])
+    return a
+
+
+def main(argv=None) -> None:
+    a = parse(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         args = training_args(tmp, max_steps=a.steps)          # initialises torch.distributed
