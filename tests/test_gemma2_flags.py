@@ -129,7 +129,12 @@ def test_bad_numbers_are_refused_with_the_flags(capsys, monkeypatch):
 
 def test_backend_is_checked_with_the_flags(capsys, monkeypatch):
     err = _errors(["--backend", "flash2"], capsys, monkeypatch)
-    assert "--backend flash2: backend='flash2' is not a kernel" in err and "'fa2'" in err
+    assert "--backend 'flash2' is not a kernel; choose auto, fa2, fa3, fa4, flex, sdpa, torch" in err
+    monkeypatch.setenv("CP_SOFTCAP_BACKEND", "bogus")
+    with pytest.raises(SystemExit):
+        flags.parse([])
+    assert "backend='bogus' is not a kernel" in capsys.readouterr().err
+    monkeypatch.delenv("CP_SOFTCAP_BACKEND")
     err = _errors(["--backend", "sdpa"], capsys, monkeypatch)
     assert "--backend sdpa cannot serve the sliding layers" in err and "softcap=50.0" in err
     err = _errors(["--backend", "fa2", "--device", "cpu"], capsys, monkeypatch)

@@ -152,11 +152,13 @@ def _backend_problems(args, cp: int, cfg):
     this run's device and dtype: the selector's own verdict, before anything is built."""
     from cp_softcap import selector
     from .metrics import layer_specs
+    if args.backend != "auto" and args.backend not in selector.KERNEL_NAMES:
+        yield f"--backend {args.backend!r} is not a kernel; choose auto, {', '.join(selector.KERNEL_NAMES)}"
+        return
     try:
-        selector.check_backend(args.backend)
         forced = selector.requested_backend(args.backend)
-    except ValueError as e:
-        yield f"--backend {args.backend}: {e}"
+    except ValueError as e:      # CP_SOFTCAP_BACKEND names no kernel
+        yield str(e)
         return
     if forced is None:      # auto: the selector falls back to the torch kernel, which serves all
         return
