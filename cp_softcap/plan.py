@@ -276,10 +276,17 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple, c
         plan, error = _draft(spec, q.shape[0], q.shape[1], backend,
                              layout if doc_error is None else f"invalid: {doc_error}")
         _compare(plan, groups, q.device)
-        if doc_error is not None:
-            raise type(doc_error)(f"{doc_error} (on {where}; the same on every rank)")
-        if error is not None:
-            raise error
+        if doc_error is not None or error is not None:
+            failure = (error if doc_error is None
+                       else type(doc_error)(f"{doc_error} (on {where}; the same on every rank)"))
+            doc_error = error = None
+            try:
+                raise failure
+            finally:
+                # no local may hold the raised exception: its traceback holds this frame, and the
+                # cycle would keep the process group alive until a garbage collection, which at
+                # interpreter exit can tear gloo down out of order (an abort after the error)
+                del failure
         plan = _finish(plan, groups, rank)
         _remember(plans, key, plan)
     elif settings.check_every_call():
@@ -333,7 +340,7 @@ def _documents(cu_seqlens, local_len: int, cp: int, rank: int):
         # no rank in the message: ranks compare it, and equal bad boundaries must read the same
         layout = layout_for(values if values is not None else cu_seqlens, local_len * cp, cp)
     except (TypeError, ValueError) as e:
-        return None, e
+        return None, e.with_traceback(None)     # kept for later: no frames (see plan_for)
     if values is not None and layout.local_len == local_len:
         _LAST_BOUNDARIES[0] = (key, layout)
     if layout.local_len != local_len:
@@ -356,7 +363,7 @@ def _draft(spec: AttnSpec, batch: int, local_len: int, backend: Backend, documen
         keys = settings.ring_block_keys()
         kernel = select(spec, backend).kernel
     except ValueError as e:
-        error = e
+        error = e.with_traceback(None)            # kept for later: no frames (see plan_for)
     return Plan(spec, batch, local_len, _backend_name(backend), kernel, keys, documents), error
 
 
