@@ -163,6 +163,10 @@ def _backend_problems(args, cp: int, cfg):
     if forced is None:      # auto: the selector falls back to the torch kernel, which serves all
         return
     import torch
+    if device_type(args) == "cuda":
+        # a kernel's probe starts CUDA on the current device: make it this rank's own GPU (the
+        # one it trains on), not GPU 0 for every local rank
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     specs = layer_specs(cfg, cp, args, device_type(args), getattr(torch, compute_dtype(args)))
     for kind, spec in specs:
         reason = selector.rejection(forced, spec)
