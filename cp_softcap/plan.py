@@ -268,7 +268,7 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple, c
     _check_inputs(q, k, v, cp, where, groups)
     spec = spec_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
                     cp_size=cp, comm=comm, documents=cu_seqlens is not None)
-    layout, doc_error = _documents(cu_seqlens, q.shape[1], cp, rank)
+    layout, doc_error = _documents(cu_seqlens, q.shape[1], cp)
     key = (spec, q.shape[0], q.shape[1], groups[1:], backend, settings.planning_inputs(), layout)
     plans = _PLANS.setdefault(groups[0], {})
     plan = plans.get(key) if doc_error is None else None
@@ -314,9 +314,11 @@ def _remember(plans: dict, key: tuple, plan: Plan) -> None:
 _LAST_BOUNDARIES: list = [None]         # ((values, local_len, cp), layout)
 
 
-def _boundary_values(cu_seqlens):
+def boundary_values(cu_seqlens):
     """The boundaries as a tuple of ints when they are a 1-D integer tensor or a list/tuple of
-    ints (the cache key); None for anything else (validated in full every call)."""
+    ints (the cache key; a CUDA tensor is read, a device sync, so callers that also need the
+    values read them once here and pass the tuple); None for anything else (validated in full
+    every call)."""
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() \
                 or cu_seqlens.dtype == torch.bool or cu_seqlens.device.type == "meta":
@@ -327,12 +329,12 @@ def _boundary_values(cu_seqlens):
     return None
 
 
-def _documents(cu_seqlens, local_len: int, cp: int, rank: int):
+def _documents(cu_seqlens, local_len: int, cp: int):
     """(PackedLayout or None, error or None) for the boundaries of a call on local shards of
     local_len tokens (the layout's local length, sharding.shard(..., cu_seqlens=))."""
     if cu_seqlens is None:
         return None, None
-    values = _boundary_values(cu_seqlens)
+    values = boundary_values(cu_seqlens)
     key, last = (values, local_len, cp), _LAST_BOUNDARIES[0]
     if values is not None and last is not None and last[0] == key:
         return last[1], None

@@ -52,16 +52,16 @@ def test_boundaries_refilled_in_place_get_their_new_layout():
     """One boundaries tensor reused across steps and refilled without a version bump (through
     numpy or .data) must never keep the old layout: the cache is keyed on the values."""
     cu = torch.tensor([0, 40, 100, 128])
-    first, err = planning._documents(cu, 64, 2, 0)
+    first, err = planning._documents(cu, 64, 2)
     assert err is None and first.cu_seqlens == (0, 40, 100, 128)
     version = cu._version
     cu.numpy()[:] = [0, 10, 20, 128]
     assert cu._version == version           # what a version-keyed cache would miss
-    second, err = planning._documents(cu, 64, 2, 0)
+    second, err = planning._documents(cu, 64, 2)
     assert err is None and second.cu_seqlens == (0, 10, 20, 128)
     cu.data[:] = torch.tensor([0, 64, 65, 128])
-    third, _ = planning._documents(cu, 64, 2, 0)
+    third, _ = planning._documents(cu, 64, 2)
     assert third.cu_seqlens == (0, 64, 65, 128)
-    assert planning._documents(cu, 64, 2, 0)[0] is third          # the same values: cached
+    assert planning._documents(cu, 64, 2)[0] is third          # the same values: cached
     float_cu = torch.tensor([0.0, 64.0, 65.0, 128.0])          # equal values, wrong dtype
-    assert isinstance(planning._documents(float_cu, 64, 2, 0)[1], TypeError)
+    assert isinstance(planning._documents(float_cu, 64, 2)[1], TypeError)

@@ -50,9 +50,8 @@ from typing import Optional, Tuple
 import torch
 
 from ..api import attention, cp_attention
-from ..plan import resolve_groups
+from ..plan import boundary_values, resolve_groups
 from ..selector import check_backend
-from ..documents import PackedLayout
 from ..sharding import positions as cp_positions
 from ..spec import check_comm
 
@@ -111,15 +110,14 @@ def _check_positions(position_ids: Optional[torch.Tensor], sq: int, cp: int, ran
         return
     # every layer of one forward gets the same tensors: check them once (a weakref, so a new
     # tensor reusing a freed one's memory is checked again; the boundaries by value)
-    docs = cu if cu is None or isinstance(cu, PackedLayout) else tuple(torch.as_tensor(cu).tolist())
     last = _CHECKED_POSITIONS.get("last")
-    key = (position_ids._version, sq, cp, rank, docs)
+    key = (position_ids._version, sq, cp, rank, cu)
     if last is not None and last[0]() is position_ids and last[1] == key:
         return
     pos = position_ids.reshape(-1, position_ids.shape[-1])
-    expected = cp_positions(sq * cp, cp, rank, device=position_ids.device, cu_seqlens=docs)
+    expected = cp_positions(sq * cp, cp, rank, device=position_ids.device, cu_seqlens=cu)
     if not (pos.shape[-1] == sq == expected.shape[-1] and bool((pos == expected).all())):
-        what = ("" if docs is None else ", cu_seqlens=cu_global") + ")"
+        what = ("" if cu is None else ", cu_seqlens=cu_global") + ")"
         raise ValueError(
             f"position_ids {tuple(position_ids.shape)} (first row starts {pos[0, :4].tolist()}) are not "
             f"cp_softcap.sharding.positions({sq * cp}, cp={cp}, rank={rank}{what}; cp_softcap masks by "
@@ -201,6 +199,10 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         raise ValueError("attn_implementation='cp_softcap' under CP got cu_seq_lens_q (boundaries "
                          "of this rank's tokens); packed documents under CP need the GLOBAL "
                          "boundaries: model(..., cu_seqlens=cu_global), identical on every rank")
+    if cp > 1 and cu is not None:
+        # read once (a device sync for a CUDA tensor): the position check and the call share it
+        values = boundary_values(cu)
+        cu = cu if values is None else values
     _check_positions(position_ids, sq, cp, rank, cu)
     if not (q.dtype == k.dtype == v.dtype):    # e.g. fp32 RoPE output with bf16 v under autocast
         dt = (torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type)
