@@ -101,6 +101,12 @@ def _check_mask(mask) -> None:
         "2-D mask), or use attn_implementation='eager' for custom masks.")
 
 
+def hf_window(sliding_window: int, causal: bool = True):
+    """HF's `sliding_window` w as cp_softcap's window: key j is visible from query i iff
+    i - w < j <= i (causal; non-causal layers see w - 1 keys on each side)."""
+    return (sliding_window - 1, 0 if causal else sliding_window - 1)
+
+
 def _check_positions(position_ids: Optional[torch.Tensor], sq: int, cp: int, rank: int,
                      cu=None) -> None:
     """Under CP: this rank's position_ids must be cp_softcap.sharding.positions(S, cp, rank): the
@@ -209,9 +215,7 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
               else v.dtype)
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
-    window = None
-    if sliding_window:
-        window = (sliding_window - 1, 0 if causal else sliding_window - 1)
+    window = hf_window(sliding_window, causal) if sliding_window else None
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
     if cu is not None and cp == 1:

@@ -47,7 +47,7 @@ if int(transformers.__version__.split(".")[0]) < 5:
 
 from ..documents import packed_layout
 from ..sharding import positions, shard
-from .hf import cp_softcap_attention, use_cp_group
+from .hf import cp_softcap_attention, hf_window, use_cp_group
 
 _TOKEN_KEYS = ("input_ids", "labels", "shift_labels")
 
@@ -73,12 +73,14 @@ def cp_mesh(cp: int, *, device_type: Optional[str] = None):
 def layer_windows(config) -> Optional[list]:
     """The attention windows of a model's layer kinds, as packed_layout(layer_windows=) takes
     them, for configs with `sliding_window` and `layer_types` (Gemma2: "full_attention" and
-    "sliding_attention", window (sliding_window - 1, 0) as the attention function applies it);
-    None when every layer attends alike (then the layout is balanced for causal attention)."""
+    "sliding_attention", the window the attention function applies: hf_window); None when
+    every layer attends alike (then the layout is balanced for causal attention)."""
     sw, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None) or ()
-    windows = {None if t == "full_attention" else (sw - 1, 0) for t in types
+    if not sw:
+        return None
+    windows = {None if t == "full_attention" else hf_window(sw) for t in types
                if t in ("full_attention", "sliding_attention")}
-    return sorted(windows, key=str) if sw and len(windows) > 1 else None
+    return sorted(windows, key=str) if len(windows) > 1 else None
 
 
 def shard_batch(batch: dict, cp: int, rank: int, layer_windows: Optional[list] = None) -> dict:
