@@ -32,8 +32,9 @@ ratio is busiest-rank time / ideal. Two layouts:
           i.e. a different (wrong) result, so it is not a valid comparison.
 The area ratio of each layout (PackedLayout.imbalance, as packing_balance reports) is recorded
 next to the timed ratio. Backward: the dK/dV partials of received blocks are accumulated in the
-gradient dtype and not added at their owner (the adds are small next to the kernel work). fa4
-refuses segments=, so --packed needs fa2, flex or torch. Writes cp_sim_packed_<mix>[_tag].json.
+gradient dtype and not added at their owner (the adds are small next to the kernel work).
+--packed needs a kernel that serves segments= (fa4, fa2, flex, torch). Writes
+cp_sim_packed_<mix>[_tag].json.
 """
 from __future__ import annotations
 
@@ -175,8 +176,6 @@ def run_packed(a, kernel, name, hq, hkv, d, dtype, dev) -> int:
     """--packed: every rank of the packed and the zigzag layout vs the full packed attention."""
     from benchmarks.packing_balance import fixed_layout, mix
     from cp_softcap.documents import packed_layout
-    if name == "fa4":
-        raise SystemExit("--packed: fa4 refuses segments=; use --kernel fa2, flex or torch")
     window = (a.window, 0)
     records, rows = [], [["S", "docs", "cp", "layout", "area ratio", "mode", "max calls",
                           "busiest ms", "full ms", "ratio"]]

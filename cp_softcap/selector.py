@@ -67,9 +67,6 @@ RULES: Tuple[Rule, ...] = (
     Rule(("sdpa",), lambda s, k: s.documents,
          lambda s, k: "cannot separate packed documents: PyTorch SDPA has no variable-length "
                       "path that returns the LSE"),
-    Rule(("fa4",), lambda s, k: s.documents,
-         lambda s, k: "cannot separate packed documents yet: flash-attn-4's backward does not take "
-                      "cu_seqlens together with the score_mod that carries the softcap on sm90"),
     Rule(("*",), lambda s, k: s.documents and not k.caps.segments,
          lambda s, k: "cannot separate packed documents (no segments= support)"),
     Rule(("*",), lambda s, k: s.return_lse and s.needs_backward and not k.caps.dlse,

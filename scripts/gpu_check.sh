@@ -34,6 +34,14 @@
 #   bash scripts/gpu_check.sh packed   # ONE call, carry [".fa2"] (no fa4): flash-attn 2 and flex
 #                                      #   with packed documents (segments), kernels, autocast and
 #                                      #   CP tests on one GPU except the fa4 cases, cp_sim --packed
+# Packed documents at fa4 and every GPU test file, three calls back to back on one machine:
+#   bash scripts/gpu_check.sh pk1      # call 1, carry [".fa4a"]: flex compile probe (small packed
+#                                      #   geometries), GPU tests that need neither fa4 nor fa2
+#   bash .fa4b/install.sh && bash scripts/gpu_check.sh pk2
+#                                      # call 2, carry [".fa4b", ".fa2"]: installs flash-attn 2 too;
+#                                      #   fa4 varlen tests, every fa4/fa2 kernel, autocast and CP test
+#   bash scripts/gpu_check.sh pk3      # call 3 (same machine, nothing carried): packed kernels vs
+#                                      #   cuDNN, cp_sim --packed with fa4, cp_sim 27B profile
 # On a several-GPU kind, in this order (each is call 2 of a pair, after .fa4a's call 1):
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh nccl
 #                                      # CP tests over NCCL, one rank per GPU: every comm type,
@@ -212,6 +220,43 @@ if [ "$phase" = native ]; then                  # after fa4 is installed
   timeout 100 $PY benchmarks/cp_sim.py $bench_args --rep-ms 150 --seqs 32768 131072 --cps 8 \
       --block-keys 32768 --profile --tag native_profile 2>&1 | grep -v USDT | tail -36 || rc=1
   cp $bench_out/cp_sim_native*.json $bench_out/cp_sim_native*.png "$OUT/" 2>/dev/null
+fi
+if [ "$phase" = pk1 ]; then
+  step "flex compile probe: small packed geometries, default vs forced main kernel"
+  timeout 200 $PY scripts/flex_compile_probe.py 2>&1 | tail -80 || rc=1
+  step "GPU tests without fa4/fa2: flex, sdpa, torch, merge, adapters, autocast, segments"
+  timeout 280 $PY -m pytest tests/test_gpu_kernels.py tests/test_gpu_merge.py tests/test_kernel_adapters.py \
+      tests/test_gpu_autocast.py tests/test_gpu_segments.py -q -rs -n 8 -p no:cacheprovider \
+      -k "not fa4 and not fa2" 2>&1 | tee "$OUT/pytest_pk1.log" | grep -v "^SKIPPED" | tail -25 || rc=1
+fi
+if [ "$phase" = pk2 ]; then
+  step "install flash-attn 2 from .fa2/"
+  if ls .fa2/flash_attn-*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-deps --no-index --no-compile .fa2/flash_attn-*.whl 2>&1 | tail -3
+  fi
+  $PY -c "import flash_attn, flash_attn_2_cuda; print('flash-attn', flash_attn.__version__)" 2>&1 || rc=1
+  step "GPU tests: fa4 varlen (segments), fa4/fa2 kernels, autocast"
+  timeout 220 $PY -m pytest tests/test_gpu_segments.py tests/test_gpu_kernels.py tests/test_gpu_autocast.py \
+      tests/test_kernel_adapters.py -q -rs -n 8 -p no:cacheprovider -k "fa4 or fa2 or auto" 2>&1 \
+      | tee "$OUT/pytest_pk2_kernels.log" | grep -v "^SKIPPED" | tail -30 || rc=1
+  step "GPU CP tests: packed and unpacked, every comm type, 2 and 4 ranks on one GPU"
+  timeout 330 $PY -m pytest tests/test_gpu_packed_cp.py tests/test_gpu_cp.py -q -rs -n 6 -p no:cacheprovider \
+      2>&1 | tee "$OUT/pytest_pk2_cp.log" | grep -v "^SKIPPED" | tail -30 || rc=1
+fi
+if [ "$phase" = pk3 ]; then
+  step "packed kernels: fa4 / fa2 / flex packed vs cuDNN dense causal of the same area (128K)"
+  timeout 260 $PY benchmarks/packed_kernels.py $bench_args --rep-ms 100 2>&1 | tail -30 || rc=1
+  cp $bench_out/packed_kernels.json $bench_out/packed_kernels.png "$OUT/" 2>/dev/null
+  for m in longtail short; do
+    step "cp_sim --packed $m with fa4, 128K, cp 8"
+    timeout 140 $PY benchmarks/cp_sim.py $bench_args --packed $m --seqs 131072 --cps 8 --kernel fa4 \
+        --rep-ms 60 --tag fa4 2>&1 | tail -8 || rc=1
+    cp $bench_out/cp_sim_packed_${m}_fa4.json "$OUT/" 2>/dev/null
+  done
+  step "cp_sim profile: 27B heads (32/16, D 128), 32K, cp 8"
+  timeout 100 $PY benchmarks/cp_sim.py $bench_args --rep-ms 100 --seqs 32768 --cps 8 --block-keys 32768 \
+      --heads 32 16 128 --profile --tag profile_27b 2>&1 | grep -v USDT | tail -45 || rc=1
+  cp $bench_out/cp_sim_profile_27b.json "$OUT/" 2>/dev/null
 fi
 if [ "$phase" = nccl ]; then                    # several GPUs; fa2 cases skip without flash-attn 2
   step "GPU CP tests over NCCL, one rank per GPU: every comm type, window, packed documents, stalled peer"

@@ -10,6 +10,7 @@ from cp_softcap.kernels.base import Segments
 from cp_softcap.kernels.fa2 import FA2Kernel, varlen_reason
 from cp_softcap.kernels.torch_kernel import TorchKernel
 from cp_softcap.spec import make_spec
+from cp_softcap.testing import rel_err
 from segment_checks import SEGMENT_CASES, SEGMENT_IDS, check_segmented, inputs
 from test_kernel_adapters import _fake_fa2
 
@@ -142,3 +143,88 @@ def test_fa2_probe_checks_varlen_for_packed_specs(monkeypatch):
                      device_type="cuda", softcap=50.0, causal=True, documents=True)
     assert FA2Kernel(module=fake_fa2_varlen("tuple")).probe(spec) is None
     assert "varlen" in FA2Kernel(module=_fake_fa2("tuple")).probe(spec)
+
+
+# ---- fa4: FA4's _flash_attn_fwd/_bwd with cu_seqlens, through a stand-in of flash_attn.cute ----
+def fake_fa4():
+    """A stand-in of flash_attn.cute.interface (4.0.0b36 keywords): dense [B, S, H, D] calls, and
+    varlen calls on one [total, H, D] stream with an [H, total] LSE (-inf for empty rows, as FA4)."""
+    import types
+
+    def _unpack(q, k, cu_q, cu_k, max_q, max_k):
+        if cu_q is None:
+            assert cu_k is None and max_q is None and max_k is None and q.dim() == 4
+            return None
+        return _segments(cu_q, cu_k, max_q, max_k, q)
+
+    def _flash_attn_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                        seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None,
+                        causal=False, softcap=None, window_size_left=None, window_size_right=None,
+                        return_lse=False, score_mod=None, **unused):
+        assert causal is False and return_lse and score_mod is None and isinstance(softcap, float)
+        segs = _unpack(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if segs is None:
+            out, lse = TK.forward(q, k, v, scale=softmax_scale, softcap=softcap or None,
+                                  window=(window_size_left, window_size_right))
+            return out.to(q.dtype), lse, None, None, None
+        out, lse = TK.forward(q[None], k[None], v[None], scale=softmax_scale, softcap=softcap or None,
+                              window=(window_size_left, window_size_right), segments=segs)
+        return out[0].to(q.dtype), lse[0].float(), None, None, None
+
+    def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
+                        window_size_left=None, window_size_right=None, cu_seqlens_q=None,
+                        cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=None,
+                        max_seqlen_k=None, deterministic=False, dq=None, dk=None, dv=None,
+                        score_mod=None, score_mod_bwd=None, dlse=None, **unused):
+        assert lse.dtype == torch.float32 and lse.is_contiguous()
+        assert out.dtype == dout.dtype == q.dtype, "FA4 takes O and dO in the input dtype"
+        segs = _unpack(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        kw = dict(scale=softmax_scale, softcap=softcap or None,
+                  window=(window_size_left, window_size_right))
+        if segs is None:
+            return TK.backward(dout, q, k, v, out, lse, dlse=dlse, **kw)
+        assert lse.shape == (q.shape[1], q.shape[0]), "varlen LSE is [H, total_q]"
+        assert dlse is None or (dlse.shape == lse.shape and dlse.is_contiguous())
+        g = TK.backward(dout[None], q[None], k[None], v[None], out[None], lse[None],
+                        dlse=None if dlse is None else dlse[None], segments=segs, **kw)
+        return tuple(x[0].to(q.dtype) for x in g)
+
+    return types.SimpleNamespace(_flash_attn_fwd=_flash_attn_fwd, _flash_attn_bwd=_flash_attn_bwd)
+
+
+@pytest.mark.parametrize("ci", range(len(SEGMENT_CASES)), ids=SEGMENT_IDS)
+def test_fa4_varlen_with_stand_in(ci):
+    from cp_softcap.kernels.fa4 import FA4Kernel
+    cu_q, cu_k, window, _ = SEGMENT_CASES[ci]
+    check_segmented(FA4Kernel(module=fake_fa4()), (cu_q, cu_k), window, softcap=CAPS[ci % 4],
+                    dtype=torch.float64, hq=4, hkv=1 + ci % 2, b=1 + ci % 2, tols=F32_LSE)
+
+
+def test_fa4_varlen_dlse_and_float32_out():
+    """The LSE gradient and the float32 O of the CP merge (D corrected through dLSE) reach FA4's
+    varlen backward as [H, B * Sq]: gradients equal the torch kernel's on the same inputs."""
+    from cp_softcap.kernels.fa4 import FA4Kernel
+    segs = Segments((0, 3, 9, 20), (0, 5, 9, 26))
+    q, k, v, dout, _ = inputs(segs, 4, 2, 16, torch.float64, 5.0, b=2)
+    kw = dict(scale=0.25, softcap=5.0, window=(4, 0), segments=segs)
+    fa4 = FA4Kernel(module=fake_fa4())
+    out, lse = fa4.forward(q, k, v, **kw)
+    ref_out, ref_lse = TK.forward(q, k, v, **kw)
+    assert torch.allclose(out, ref_out.to(out.dtype)) and torch.allclose(lse, ref_lse.float())
+    dlse = torch.randn_like(lse)
+    got = fa4.backward(dout, q, k, v, ref_out.float(), lse, dlse=dlse, **kw)
+    want = TK.backward(dout, q, k, v, ref_out, lse, dlse=dlse, **kw)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and rel_err(g, w) < 1e-5
+
+
+def test_fa4_one_segment_takes_the_dense_path():
+    from cp_softcap.kernels.fa4 import FA4Kernel
+    m = fake_fa4()
+    fa4 = FA4Kernel(module=m)
+    q, kk, v, _, _ = inputs(((0, 10), (0, 12)), 2, 1, 16, torch.float64, 5.0)
+    kw = dict(scale=0.25, softcap=5.0, window=(None, 0))
+    a = fa4.forward(q, kk, v, **kw)
+    b = fa4.forward(q, kk, v, segments=((0, 10), (0, 12)), **kw)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert fa4._varlen._cache == {}, "one segment must not build varlen tensors"

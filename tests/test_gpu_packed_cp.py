@@ -1,6 +1,6 @@
 """Packed documents under CP on ONE GPU: 2 and 4 ranks share the GPU through gloo (CUDA tensors
-staged through host memory), with the GPU kernels that serve segments= (flex, fa2 when
-installed, the torch kernel), every comm type, against the float64 reference of block-diagonal
+staged through host memory), with the GPU kernels that serve segments= (fa4 and fa2 where
+installed, flex, the torch kernel), every comm type, against the float64 reference of block-diagonal
 document attention (saturating softcap, causal and a window smaller than the documents), with
 a negative control (boundaries dropped must fail).
 
@@ -87,6 +87,8 @@ def _skip_unless(backend, dtype):
     ("flex", torch.bfloat16, 4, ("ring", "a2a+p2p"), (100, 0)),
     ("fa2", torch.bfloat16, 2, ("ring", "all_gather", "a2a", "auto"), None),
     ("fa2", torch.bfloat16, 4, ("ring", "a2a+p2p"), (100, 0)),
+    ("fa4", torch.bfloat16, 2, ("ring", "all_gather", "a2a", "auto"), None),
+    ("fa4", torch.bfloat16, 4, ("ring", "a2a+p2p"), (100, 0)),
     ("torch", torch.float32, 2, ("ring", "all_gather", "a2a"), (100, 0)),
 ])
 def test_packed_cp_on_one_gpu(backend, dtype, world, comms, window):
@@ -100,7 +102,7 @@ def test_packed_cp_on_one_gpu(backend, dtype, world, comms, window):
         assert dropped > 0.1, f"{backend} {comm}: the boundaries-dropped control is too weak"
 
 
-@pytest.mark.parametrize("backend", ["fa2", "flex"])
+@pytest.mark.parametrize("backend", ["fa4", "fa2", "flex"])
 @pytest.mark.parametrize("world,comms,window", [
     (2, ("ring", "all_gather", "a2a", "auto"), None),
     (4, ("ring", "all_gather", "a2a", "a2a+p2p", "auto"), (100, 0)),

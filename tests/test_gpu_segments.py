@@ -1,6 +1,6 @@
 """GPU: kernels with document segments (segments=) against the float64 reference, on CUDA:
 the torch kernel, flex's compiled forward AND backward (CPU covers flex's forward only), and
-fa2's real varlen functions where flash-attn 2 is installed. Skipped without CUDA."""
+fa2's and fa4's real varlen functions where they are installed. Skipped without CUDA."""
 import pytest
 import torch
 
@@ -40,7 +40,36 @@ def test_fa2_varlen_cuda(ci, dtype):
                     device="cuda")
 
 
-@pytest.mark.parametrize("backend", ["fa2", "flex", "auto"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("ci", range(len(SEGMENT_CASES)), ids=SEGMENT_IDS)
+def test_fa4_varlen_cuda(ci, dtype, d):
+    """FA4's varlen entry points with our score_mod softcap (sm90) or its own (elsewhere):
+    every segment case (length-1 documents, empty segments, windows narrower and wider than the
+    documents, rows that see nothing), GQA, head dims 64/128/256, with the negative control."""
+    fa4 = get_kernel("fa4")
+    if fa4._interface() is None:
+        pytest.skip(fa4._import_reason)
+    cu_q, cu_k, window, _ = SEGMENT_CASES[ci]
+    check_segmented(fa4, (cu_q, cu_k), window, softcap=CAPS[ci % 4], dtype=dtype, hq=4,
+                    hkv=1 + ci % 2, d=d, b=1 + (ci + d // 64) % 2, device="cuda")
+
+
+@pytest.mark.parametrize("heads", [(16, 8, 256), (32, 16, 128)], ids=["9B", "27B"])
+@pytest.mark.parametrize("window", [(None, 0), (63, 0), (4095, 0)], ids=["causal", "w63", "w4095"])
+def test_fa4_varlen_gemma2_heads_long_documents(heads, window):
+    """Gemma2 head shapes, documents spanning many kernel tiles next to length-1 ones, a window
+    narrower (63) and wider (4095) than most documents, softcap 50 (saturating)."""
+    fa4 = get_kernel("fa4")
+    if fa4._interface() is None:
+        pytest.skip(fa4._import_reason)
+    hq, hkv, d = heads
+    cu = (0, 1, 700, 701, 2000, 2001, 2300, 3000)
+    check_segmented(fa4, (cu, cu), window, softcap=50.0, dtype=torch.bfloat16, hq=hq, hkv=hkv, d=d,
+                    device="cuda")
+
+
+@pytest.mark.parametrize("backend", ["fa4", "fa2", "flex", "auto"])
 def test_packed_attention_cuda(backend):
     """cps.attention(cu_seqlens=) on CUDA in bf16: documents of length 1, shorter and longer than
     a kernel tile, a window, a padding tail; float64 reference of the whole stream."""
@@ -48,6 +77,8 @@ def test_packed_attention_cuda(backend):
     from cp_softcap.testing import reference_attention, rel_err, saturating_qkv, tolerance
     if backend == "fa2" and get_kernel("fa2")._interface() is None:
         pytest.skip(get_kernel("fa2")._reason)
+    if backend == "fa4" and get_kernel("fa4")._interface() is None:
+        pytest.skip(get_kernel("fa4")._import_reason)
     cu, t = [0, 1, 40, 300, 301, 700], 760
     q, k, v, _ = saturating_qkv(1, t, t, 8, 2, 128, torch.bfloat16, 50.0, device="cuda")
     dout = torch.randn(1, t, 8, 128, device="cuda", dtype=torch.bfloat16)

@@ -96,7 +96,7 @@ def test_selector_routes_packed_calls_to_segment_kernels():
 def test_which_kernels_serve_segments():
     from cp_softcap.kernels import KERNEL_NAMES, get_kernel
     serving = {n for n in KERNEL_NAMES if get_kernel(n).caps.segments}
-    assert serving == {"torch", "flex", "fa2"}
+    assert serving == {"torch", "flex", "fa2", "fa4"}
     q = torch.randn(1, 4, 2, 8)
     for name in sorted(set(KERNEL_NAMES) - serving):
         kern = get_kernel(name)

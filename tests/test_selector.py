@@ -89,8 +89,6 @@ RULE_CASES = [
      {"trigger": "1", "clean": "1"}, "not under context parallelism (cp=8): FA3's context-parallel path cannot carry the softcap"),
     ("sdpa_no_varlen", "sdpa", dict(segments=True), dict(documents=True), dict(), {},
      "PyTorch SDPA has no variable-length path that returns the LSE"),
-    ("fa4_no_varlen", "fa4", dict(segments=True), dict(documents=True), dict(), {},
-     "flash-attn-4's backward does not take cu_seqlens"),
     ("segments", "torch", dict(segments=False), dict(documents=True), dict(), {},
      "cannot separate packed documents (no segments= support)"),
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Callable, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -121,3 +121,45 @@ def fa_backward_empty(kernel, q, k, v, dlse):
     if kernel._interface() is None:
         raise RuntimeError(kernel._reason)
     return None
+
+
+class Varlen(NamedTuple):
+    """A segmented call's B rows joined into one token stream, for flash-attn's varlen entry
+    points: int32 cu_seqlens on the device (the segments repeated at offsets b * Sq / b * Sk)
+    and the longest segment on each side."""
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+class VarlenCache:
+    """Varlen tensors per (segments, batch, device), built once per geometry (a packed layout
+    repeats the same few geometries every step) and bounded so a changing stream cannot grow it."""
+
+    def __init__(self, size: int = 256):
+        self._size = size
+        self._cache: Dict[tuple, Varlen] = {}
+
+    def get(self, segs, batch: int, device) -> Varlen:
+        key = (tuple(segs), batch, str(device))
+        if key not in self._cache:
+            if len(self._cache) >= self._size:
+                self._cache.pop(next(iter(self._cache)))
+            rows = range(batch)
+            cu = [torch.tensor([b * c[-1] + x for b in rows for x in c[:-1]] + [batch * c[-1]],
+                               dtype=torch.int32, device=device) for c in segs]
+            self._cache[key] = Varlen(cu[0], cu[1],
+                                      max(b - a for a, b in zip(segs[0], segs[0][1:])),
+                                      max(b - a for a, b in zip(segs[1], segs[1][1:])))
+        return self._cache[key]
+
+
+def tokens(x: torch.Tensor) -> torch.Tensor:
+    """[B, S, H, D] -> [B * S, H, D] (a view when the rows are adjacent in memory)."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def varlen_lse_in(lse: torch.Tensor) -> torch.Tensor:
+    """Contract LSE (or dLSE) [B, H, Sq] -> flash-attn varlen [H, B * Sq] float32 contiguous."""
+    return lse.float().transpose(0, 1).reshape(lse.shape[1], -1).contiguous()

@@ -29,13 +29,14 @@ bottom-right aligned: the contract's segment rule.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 
 from ..spec import Window
-from ._common import (common_cuda_reason, cuda_arch, fa2_lse, fa_backward_empty, fa_forward_empty,
-                      fa_window, missing_params, softcap_value, try_import)
+from ._common import (VarlenCache, common_cuda_reason, cuda_arch, fa2_lse, fa_backward_empty,
+                      fa_forward_empty, fa_window, missing_params, softcap_value, tokens as _tokens,
+                      try_import, varlen_lse_in)
 from .base import Capabilities, Kernel, check_segments
 
 _MODULE = "flash_attn.flash_attn_interface"
@@ -84,11 +85,6 @@ def varlen_lse(lse: torch.Tensor, b: int, sq: int) -> torch.Tensor:
     return fa2_lse(lse.view(lse.shape[0], b, sq).transpose(0, 1))
 
 
-def _tokens(x: torch.Tensor) -> torch.Tensor:
-    """[B, S, H, D] -> [B * S, H, D] (a view when the rows are adjacent in memory)."""
-    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-
-
 def backward_has_softcap(bwd) -> bool:
     """flash-attn >= 2.6.2: the backward takes softcap (earlier ones drop it silently)."""
     return not missing_params(bwd, ("softcap",))
@@ -108,7 +104,7 @@ class FA2Kernel(Kernel):
     def __init__(self, module=None):
         self._mod, self._family, self._reason = None, None, None
         self._loaded = False
-        self._cu: Dict[tuple, tuple] = {}               # (segments, device) -> int32 cu tensors
+        self._varlen = VarlenCache()
         if module is not None:            # tests inject a stand-in module
             self._bind(module)
 
@@ -161,16 +157,7 @@ class FA2Kernel(Kernel):
         reason = varlen_reason(self._mod, self._family)
         if reason:
             raise RuntimeError(reason)
-        key = (segs, q.shape[0], str(q.device))
-        if key not in self._cu:
-            if len(self._cu) >= 256:
-                self._cu.pop(next(iter(self._cu)))
-            rows = range(q.shape[0])
-            cu = [torch.tensor([b * c[-1] + x for b in rows for x in c[:-1]] + [len(rows) * c[-1]],
-                               dtype=torch.int32, device=q.device) for c in segs]
-            self._cu[key] = (cu[0], cu[1], max(b - a for a, b in zip(segs.cu_q, segs.cu_q[1:])),
-                             max(b - a for a, b in zip(segs.cu_k, segs.cu_k[1:])))
-        return self._cu[key]
+        return self._varlen.get(segs, q.shape[0], q.device)
 
     def _varlen_forward(self, q, k, v, packed, scale, cap, window):
         cu_q, cu_k, max_q, max_k = packed
@@ -249,7 +236,7 @@ class FA2Kernel(Kernel):
         qs, ks, vs = (_tokens(t) for t in (q, k, v))
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (qs, ks, vs))
         bwd = self._mod._flash_attn_varlen_backward
-        lse_t = lse_in.transpose(0, 1).reshape(lse_in.shape[1], -1).contiguous()
+        lse_t = varlen_lse_in(lse_in)
         args = (_tokens(dout), qs, ks, vs, _tokens(out), lse_t, dq, dk, dv, cu_q, cu_k, max_q, max_k)
         if self._family == "split":
             left, right = fa_window(window)

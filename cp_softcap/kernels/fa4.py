@@ -19,6 +19,12 @@ Backward with a float32 `out` (the CP merge's accumulator): FA4 needs O in the i
 D = rowsum(dO * O) from a rounded O loses the gradient of near one-hot softcapped rows; the
 adapter corrects D exactly through FA4's dLSE input (exact_d_dlse), at one cheap row reduction.
 
+Packed documents (segments=, more than one segment): FA4's varlen form of the same two functions
+(cu_seqlens_q/k, max_seqlen_q/k; one [B * S, H, D] token stream, the segments repeated per batch
+row as for flash-attn 2), with the same score_mod softcap, window (bottom-right aligned per
+segment) and GQA. The varlen LSE (and dLSE) is [H, B * Sq]; the contract's [B, H, Sq] is
+converted at this edge only. A row whose segment has no key gets out 0, LSE -inf.
+
 Probe (fail closed): CUDA present; package importable; arch 8.x has no backward; sm100/sm110 with
 head dim 256 + softcap is rejected (its dedicated hd256 backward asserts softcap == 0, and has
 no dLSE); the functions must accept every keyword this adapter passes.
@@ -30,8 +36,9 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..spec import Window
-from ._common import common_cuda_reason, cuda_arch, empty_result, missing_params, try_import
-from .base import Capabilities, Kernel, refuse_segments
+from ._common import (VarlenCache, common_cuda_reason, cuda_arch, empty_result, fa2_lse,
+                      missing_params, tokens, try_import, varlen_lse_in)
+from .base import Capabilities, Kernel, check_segments
 from .fa4_softcap import IMPLS, softcap_kwargs
 
 _MODULE = "flash_attn.cute.interface"
@@ -39,6 +46,7 @@ _FWD_KW = ("softmax_scale", "causal", "softcap", "window_size_left", "window_siz
            "return_lse", "score_mod")
 _BWD_KW = ("softmax_scale", "causal", "softcap", "window_size_left", "window_size_right",
            "deterministic", "dlse", "score_mod", "score_mod_bwd")
+_VARLEN_KW = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 INSTALL_HINT = "install flash-attn-4 (pip install 'cp-softcap[fa4]')"
 
 
@@ -80,12 +88,14 @@ class FA4Kernel(Kernel):
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         devices=frozenset({"cuda"}), backward_devices=frozenset({"cuda"}),
         max_head_dim=256, head_dim_multiple=8, cp=True, dlse=True, deterministic_backward=True,
-        grads_in_input_dtype=True,
+        grads_in_input_dtype=True, segments=True,
         notes=("JIT: first call per distinct softcap value compiles (~seconds)",
-               "gradients are computed and returned in the input dtype"))
+               "gradients are computed and returned in the input dtype",
+               "packed documents through FA4's varlen (cu_seqlens) entry points"))
 
-    def __init__(self, softcap_impl: str = "score_mod"):
-        """softcap_impl: "score_mod" (ours, sm90; see fa4_softcap.py) or "builtin" (FA4's softcap=)."""
+    def __init__(self, softcap_impl: str = "score_mod", module=None):
+        """softcap_impl: "score_mod" (ours, sm90; see fa4_softcap.py) or "builtin" (FA4's softcap=).
+        module: a stand-in for `flash_attn.cute.interface` (tests)."""
         if softcap_impl not in IMPLS:
             raise ValueError(f"FA4Kernel(softcap_impl={softcap_impl!r}); expected one of {IMPLS}")
         self.softcap_impl = softcap_impl
@@ -93,6 +103,9 @@ class FA4Kernel(Kernel):
         self._import_reason: Optional[str] = None
         self._imported = False
         self._probe_cache: Dict[tuple, Optional[str]] = {}
+        self._varlen = VarlenCache()
+        if module is not None:
+            self._bind(module)
 
     def _interface(self):
         if not self._imported:
@@ -101,14 +114,18 @@ class FA4Kernel(Kernel):
             if mod is None:
                 self._import_reason = f"flash-attn-4 not importable ({reason}); {INSTALL_HINT}"
             else:
-                missing = (missing_params(mod._flash_attn_fwd, _FWD_KW)
-                           + missing_params(mod._flash_attn_bwd, _BWD_KW))
-                if missing:
-                    self._import_reason = (f"flash-attn-4 found but its _flash_attn_fwd/_bwd lack "
-                                           f"keywords {missing}; this adapter is written for 4.0.0b36")
-                else:
-                    self._mod = mod
+                self._bind(mod)
         return self._mod
+
+    def _bind(self, mod) -> None:
+        self._imported = True
+        missing = (missing_params(mod._flash_attn_fwd, _FWD_KW + _VARLEN_KW)
+                   + missing_params(mod._flash_attn_bwd, _BWD_KW + _VARLEN_KW))
+        if missing:
+            self._import_reason = (f"flash-attn-4 found but its _flash_attn_fwd/_bwd lack keywords "
+                                   f"{sorted(set(missing))}; this adapter is written for 4.0.0b36")
+        else:
+            self._mod = mod
 
     def probe(self, spec) -> Optional[str]:
         reason = common_cuda_reason(spec, "fa4")
@@ -127,18 +144,36 @@ class FA4Kernel(Kernel):
     def forward(self, q, k, v, *, scale: float, softcap: Optional[float], window: Window,
                 segments=None) -> Tuple[torch.Tensor, torch.Tensor]:
         """q [B,Sq,Hq,D], k/v [B,Sk,Hkv,D] -> out [B,Sq,Hq,Dv] (q.dtype), lse [B,Hq,Sq] fp32."""
-        refuse_segments(self, segments)
         if q.shape[1] == 0 or k.shape[1] == 0:
             return empty_result(q, v)
+        mod = self._loaded()
+        left, right = window
+        kw = dict(causal=False, window_size_left=left, window_size_right=right, return_lse=True,
+                  **softcap_kwargs(self.softcap_impl, cuda_arch(q.device), scale, softcap,
+                                   backward=False))
+        packed = self._packed(segments, q, k)
+        if packed is None:
+            res = mod._flash_attn_fwd(q, k, v, **kw)
+            return res[0], res[1]
+        b, sq, hq = q.shape[:3]
+        res = mod._flash_attn_fwd(tokens(q), tokens(k), tokens(v), cu_seqlens_q=packed.cu_q,
+                                  cu_seqlens_k=packed.cu_k, max_seqlen_q=packed.max_q,
+                                  max_seqlen_k=packed.max_k, **kw)
+        # [H, B * Sq] -> [B, H, Sq]; a segment without keys is marked -inf (+inf mapped, if any)
+        return res[0].view(b, sq, hq, -1), fa2_lse(res[1].view(hq, b, sq).transpose(0, 1))
+
+    def _loaded(self):
         mod = self._interface()
         if mod is None:
             raise RuntimeError(self._import_reason)
-        left, right = window
-        res = mod._flash_attn_fwd(q, k, v, causal=False, window_size_left=left,
-                                  window_size_right=right, return_lse=True,
-                                  **softcap_kwargs(self.softcap_impl, cuda_arch(q.device), scale, softcap,
-                                                   backward=False))
-        return res[0], res[1]
+        return mod
+
+    def _packed(self, segments, q, k):
+        """The varlen tensors of a call with several segments; None for one or none."""
+        segs = check_segments(segments, q.shape[1], k.shape[1], "fa4")
+        if segs is None or segs.single():
+            return None
+        return self._varlen.get(segs, q.shape[0], q.device)
 
     def prepare_backward(self, dout, out, dlse, dtype):
         """Once per row set, for callers that run many chunk-pair backwards on the same rows
@@ -153,20 +188,24 @@ class FA4Kernel(Kernel):
     def backward(self, dout, q, k, v, out, lse, *, scale: float, softcap: Optional[float],
                         window: Window, dlse: Optional[torch.Tensor] = None, segments=None):
         """Gradients (input dtype) of this chunk pair given the FINAL merged out/lse of its rows."""
-        refuse_segments(self, segments)
         if q.shape[1] == 0 or k.shape[1] == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        mod = self._interface()
-        if mod is None:
-            raise RuntimeError(self._import_reason)
+        mod = self._loaded()
         left, right = window
         out_k, dout_k = out.to(q.dtype), dout.to(q.dtype)
         if out.dtype != q.dtype:
             dlse = exact_d_dlse(dout_k, out, out_k, dlse)
+        kw = dict(causal=False, window_size_left=left, window_size_right=right,
+                  deterministic=torch.are_deterministic_algorithms_enabled(),
+                  **softcap_kwargs(self.softcap_impl, cuda_arch(q.device), scale, softcap,
+                                   backward=True))
+        packed = self._packed(segments, q, k)
+        if packed is None:
+            return tuple(mod._flash_attn_bwd(
+                q, k, v, out_k, dout_k, lse.float().contiguous(),
+                dlse=None if dlse is None else dlse.float().contiguous(), **kw)[:3])
         dq, dk, dv = mod._flash_attn_bwd(
-            q, k, v, out_k, dout_k, lse.float().contiguous(),
-            causal=False, window_size_left=left, window_size_right=right,
-            **softcap_kwargs(self.softcap_impl, cuda_arch(q.device), scale, softcap, backward=True),
-            deterministic=torch.are_deterministic_algorithms_enabled(),
-            dlse=None if dlse is None else dlse.float().contiguous())[:3]
-        return dq, dk, dv
+            tokens(q), tokens(k), tokens(v), tokens(out_k), tokens(dout_k), varlen_lse_in(lse),
+            cu_seqlens_q=packed.cu_q, cu_seqlens_k=packed.cu_k, max_seqlen_q=packed.max_q,
+            max_seqlen_k=packed.max_k, dlse=None if dlse is None else varlen_lse_in(dlse), **kw)[:3]
+        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)

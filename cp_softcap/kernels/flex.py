@@ -105,8 +105,10 @@ class FlexKernel(Kernel):
         notes=("torch.compile on CUDA: one compile per distinct softcap value and shape",
                "backward recomputes the chunk forward (exact final-LSE reweighting)"))
 
-    def __init__(self, compile_on_cuda: bool = True):
+    def __init__(self, compile_on_cuda: bool = True, kernel_options: Optional[dict] = None):
+        """kernel_options: passed to flex_attention as is (None: flex's defaults)."""
         self.compile_on_cuda = compile_on_cuda
+        self.kernel_options = kernel_options
         self._flex = None
         self._compiled = None
         self._reason: Optional[str] = None
@@ -185,7 +187,8 @@ class FlexKernel(Kernel):
         out, lse = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                       score_mod=self._score_mod(softcap),
                       block_mask=self.block_mask(sq, sk, window, q.device, segments), scale=scale,
-                      enable_gqa=q.shape[2] != k.shape[2], **self._lse_kw)
+                      enable_gqa=q.shape[2] != k.shape[2], kernel_options=self.kernel_options,
+                      **self._lse_kw)
         if not isinstance(lse, torch.Tensor):
             lse = lse.lse                                   # AuxOutput
         return out.transpose(1, 2), lse

@@ -1,0 +1,139 @@
+"""Packed documents on one GPU: `cps.attention(cu_seqlens=)` with each kernel that serves
+segments (fa4, fa2, flex), next to cuDNN SDPA (no softcap) on a dense causal call of the same
+visible area, in one run.
+
+    python benchmarks/packed_kernels.py                 # H200/H100: 128K streams, 9B and 27B heads
+    python benchmarks/packed_kernels.py --dry-run       # CPU, tiny shapes, torch kernel only
+
+Streams: benchmarks/packing_balance.mix (seed 0), the same as the packing and cp_sim benchmarks:
+"long-tail" (document lengths 16..32K, log-uniform) and "short" (64..2K). Causal, softcap 50.
+TFLOP/s are of the VISIBLE area only (the (query, key) pairs attention computes):
+    area = sum over documents of n (n + 1) / 2 ;  forward FLOPs = 4 * Hq * D * area ;
+    forward + backward = 3.5 x forward.
+The baseline is one dense causal cuDNN call whose length S has about the same area
+(S = sqrt(2 * area), rounded to 128), rated by the same formula on its own area, so
+"% cuDNN" compares rates, not times. Writes packed_kernels[_tag].json and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from typing import Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cp_softcap as cps                                              # noqa: E402
+from cp_softcap.selector import rejection                             # noqa: E402
+from cp_softcap.spec import make_spec                                 # noqa: E402
+from benchmarks._util import OUT_DIR_HELP, bar_plot, bench_ms, out_dir_for, report  # noqa: E402
+from benchmarks.kernels import MODELS, cudnn_baseline                 # noqa: E402
+from benchmarks.packing_balance import mix                            # noqa: E402
+
+MIXES = ("long-tail", "short")
+
+
+def visible_area(cu: List[int]) -> int:
+    """(query, key) pairs of causal attention within each document."""
+    return sum((b - a) * (b - a + 1) // 2 for a, b in zip(cu, cu[1:]))
+
+
+def packed_call(name, q, k, v, cu, softcap, backward: bool):
+    qg, kg, vg = (t.detach().requires_grad_(backward) for t in (q, k, v))
+    dout = torch.randn_like(q)
+
+    def run():
+        out = cps.attention(qg, kg, vg, softcap=softcap, causal=True, cu_seqlens=cu, backend=name)
+        if backward:
+            out.backward(dout)
+        return out
+    return run
+
+
+def plot(blob: Dict, png: str) -> None:
+    ok = [r for r in blob["records"] if "pct_of_cudnn" in r]
+    case = lambda r: f"{r['model']} {r['mix']} {r['mode']}"      # noqa: E731
+    labels = sorted({case(r) for r in ok})
+    series: Dict[str, Dict[str, float]] = {}
+    for r in ok:
+        series.setdefault(r["kernel"], {})[case(r)] = r["pct_of_cudnn"]
+    bar_plot(png, labels, {n: [v.get(lbl, float("nan")) for lbl in labels] for n, v in series.items()},
+             "% of cuDNN's rate (dense causal, no cap)",
+             f"packed cps.attention, softcap {blob['meta']['softcap']}, {blob['meta']['device']}",
+             hline=85.0)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--total", type=int, default=131072, help="tokens in the packed stream")
+    p.add_argument("--mixes", nargs="+", default=list(MIXES), choices=MIXES)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--kernels", nargs="+", default=["fa4", "fa2", "flex"])
+    p.add_argument("--softcap", type=float, default=50.0)
+    p.add_argument("--rep-ms", type=int, default=150)
+    p.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
+    p.add_argument("--tag", default="")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, torch kernel")
+    a = p.parse_args(argv)
+    dev = "cuda" if torch.cuda.is_available() and not a.dry_run else "cpu"
+    a.out_dir = out_dir_for(a.out_dir, dry=dev == "cpu")
+    models = dict(MODELS)
+    if dev == "cpu":
+        a.total, a.kernels, a.rep_ms = 2048, ["torch"], 10
+        models = {"9B": (4, 2, 32), "27B": (4, 4, 16)}
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    records, rows = [], [["model", "mix", "docs", "kernel", "mode", "ms", "TFLOP/s", "% cuDNN"]]
+    for model in a.models:
+        hq, hkv, d = models[model]
+        for kind in a.mixes:
+            cu = mix(kind, a.total, 0)
+            area = visible_area(cu)
+            s_eq = max(128, round(math.sqrt(2 * area) / 128) * 128)
+            q = torch.randn(1, a.total, hq, d, device=dev, dtype=dtype)
+            k = torch.randn(1, a.total, hkv, d, device=dev, dtype=dtype)
+            v = torch.randn(1, a.total, hkv, d, device=dev, dtype=dtype)
+            base = {}
+            for mode, bwd in (("fwd", False), ("fwd+bwd", True)):
+                factor = 3.5 if bwd else 1.0
+                ms = bench_ms(cudnn_baseline(q[:, :s_eq], k[:, :s_eq], v[:, :s_eq], bwd), rep_ms=a.rep_ms)
+                base[mode] = factor * 4.0 * hq * d * s_eq * s_eq / 2 / ms / 1e9
+                records.append(dict(model=model, mix=kind, docs=len(cu) - 1, kernel="cudnn dense causal",
+                                    mode=mode, S=s_eq, ms=ms, tflops=base[mode]))
+                rows.append([model, kind, f"dense S={s_eq}", "cudnn", mode, f"{ms:.2f}",
+                             f"{base[mode]:.0f}", "100"])
+                for name in a.kernels:
+                    spec = make_spec(head_dim=d, num_heads=hq, num_kv_heads=hkv, dtype=dtype,
+                                     device_type=dev, softcap=a.softcap, causal=True,
+                                     needs_backward=bwd, documents=True)
+                    rec = dict(model=model, mix=kind, docs=len(cu) - 1, kernel=name, mode=mode,
+                               total=a.total, area=area, softcap=a.softcap)
+                    reason = rejection(name, spec)
+                    if reason:
+                        records.append({**rec, "skipped": reason})
+                        rows.append([model, kind, len(cu) - 1, name, mode, "skip", reason[:40], ""])
+                        continue
+                    try:
+                        ms = bench_ms(packed_call(name, q, k, v, cu, a.softcap, bwd), rep_ms=a.rep_ms)
+                    except Exception as e:          # report it, keep measuring the others
+                        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                        records.append({**rec, "error": msg})
+                        rows.append([model, kind, len(cu) - 1, name, mode, "ERR", msg[:40], ""])
+                        continue
+                    tf = factor * 4.0 * hq * d * area / ms / 1e9
+                    records.append({**rec, "ms": ms, "tflops": tf, "pct_of_cudnn": 100 * tf / base[mode]})
+                    rows.append([model, kind, len(cu) - 1, name, mode, f"{ms:.2f}", f"{tf:.0f}",
+                                 f"{100 * tf / base[mode]:.0f}"])
+            del q, k, v
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+    meta = dict(total=a.total, softcap=a.softcap, dtype=str(dtype), batch=1, causal=True, seed=0,
+                flops="4 * Hq * D * visible area (fwd), x3.5 fwd+bwd; cuDNN on a dense causal call "
+                      "of about the same area, no softcap")
+    report("packed_kernels", records, meta, rows, a.out_dir, a.tag)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
