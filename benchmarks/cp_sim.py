@@ -49,7 +49,8 @@ from cp_softcap.cp.grad_accum import GradAccumulator                 # noqa: E40
 from cp_softcap.cp.ring import backward_calls, forward_calls, return_dtype  # noqa: E402
 from cp_softcap.kernels import get_kernel                           # noqa: E402
 from cp_softcap.kernels.base import grad_dtype                      # noqa: E402
-from cp_softcap.layout import block_exclusive, block_plan, key_range, plan_step, ring_blocks  # noqa: E402
+from cp_softcap.layout import (PairCall, block_exclusive, block_plan, key_range, plan_step,  # noqa: E402
+                               ring_blocks)
 from cp_softcap.merge import new_accumulator                        # noqa: E402
 from cp_softcap.spec import make_spec                               # noqa: E402
 from cp_softcap.selector import select                              # noqa: E402
@@ -288,6 +289,38 @@ def full_attention(kernel, s, hq, hkv, d, dtype, dev, softcap, window, backward)
     return run
 
 
+def per_call(sim, kernel, s, hq, d, softcap, window, rep_ms) -> list:
+    """Each of the rank's kernel calls timed alone (forward, and forward + backward with the
+    final O/LSE of its rows), as TFLOP/s of its visible area, next to the full causal call: which
+    call shapes run below the full-length rate."""
+    from benchmarks._util import causal_fwd_flops
+    q, kw = sim.q, dict(scale=d ** -0.5, softcap=softcap)
+    out = []
+    calls = [("self", sim.k, sim.v, c) for c in sim.self_calls]
+    calls += [(f"block {i}", kb, vb, c) for i, (kb, vb, cs, *_) in enumerate(sim.blocks) for c in cs]
+    full_q = torch.randn(1, s, hq, d, device=q.device, dtype=q.dtype)
+    full_k = torch.randn(1, s, sim.k.shape[2], d, device=q.device, dtype=q.dtype)
+    calls.append(("full", full_k, full_k, PairCall(0, s, 0, s, window)))
+    for where, kb, vb, c in calls:
+        qs = full_q if where == "full" else q[:, c.q0:c.q1]
+        ks, vs = kb[:, c.k0:c.k1], vb[:, c.k0:c.k1]
+        res = kernel.forward(qs, ks, vs, window=c.window, **kw)
+        dout = torch.randn_like(qs)
+        area = (causal_fwd_flops(1, hq, s, d) / (4.0 * hq * d) if where == "full"
+                else c.area())
+        flops = 4.0 * hq * d * area
+        fwd = bench_ms(lambda: kernel.forward(qs, ks, vs, window=c.window, **kw), rep_ms=rep_ms)
+        bwd = bench_ms(lambda: kernel.backward(dout, qs, ks, vs, res[0], res[1], window=c.window,
+                                               **kw), rep_ms=rep_ms)
+        out.append(dict(where=where, rows=c.q1 - c.q0, keys=c.k1 - c.k0, window=list(c.window),
+                        area=area, fwd_ms=fwd, bwd_ms=bwd, fwd_tflops=flops / fwd / 1e9,
+                        bwd_tflops=2.5 * flops / bwd / 1e9))
+        r = out[-1]
+        print(f"  {where:<9} {r['rows']:>6} x {r['keys']:<6} window {str(c.window):<14} "
+              f"fwd {fwd:7.3f} ms {r['fwd_tflops']:5.0f} TF/s   bwd {bwd:7.3f} ms {r['bwd_tflops']:5.0f} TF/s")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seqs", type=int, nargs="+", default=[32768, 131072])
@@ -308,6 +341,8 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="", help="suffix of the output files: cp_sim_<tag>.json")
     p.add_argument("--packed", choices=sorted(PACKED_MIXES), default=None,
                    help="simulate a packed stream of this document-length mix (every rank)")
+    p.add_argument("--per-call", action="store_true",
+                   help="also time each of the rank's kernel calls alone (TFLOP/s per call shape)")
     p.add_argument("--dry-run", action="store_true")
     a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -360,6 +395,11 @@ def main(argv=None) -> int:
                     rows.append([s, cp, keys, sim.calls, mode, f"{ms:.3f}",
                                  f"{rec['rank_host_ms']:.3f}", f"{full[mode]:.3f}",
                                  f"{ratio:.3f}", g_txt])
+                if a.per_call:
+                    print(f"--- per call: S={s} cp={cp} keys={keys} rank {a.rank % cp}")
+                    records.append(dict(S=s, cp=cp, block_keys=keys, mode="per-call", kernel=name,
+                                        calls=per_call(sim, kernel, s, hq, d, a.softcap, window,
+                                                       a.rep_ms)))
                 del sim
                 if dev == "cuda":
                     torch.cuda.empty_cache()

@@ -253,10 +253,13 @@ if [ "$phase" = pk3 ]; then
         --rep-ms 60 --tag fa4 2>&1 | tail -8 || rc=1
     cp $bench_out/cp_sim_packed_${m}_fa4.json "$OUT/" 2>/dev/null
   done
-  step "cp_sim profile: 27B heads (32/16, D 128), 32K, cp 8"
-  timeout 100 $PY benchmarks/cp_sim.py $bench_args --rep-ms 100 --seqs 32768 --cps 8 --block-keys 32768 \
-      --heads 32 16 128 --profile --tag profile_27b 2>&1 | grep -v USDT | tail -45 || rc=1
-  cp $bench_out/cp_sim_profile_27b.json "$OUT/" 2>/dev/null
+  step "cp_sim 27B heads (32/16, D 128), 32K, cp 8: profile and every call alone"
+  timeout 120 $PY benchmarks/cp_sim.py $bench_args --rep-ms 60 --seqs 32768 --cps 8 --block-keys 32768 \
+      --heads 32 16 128 --profile --per-call --tag profile_27b 2>&1 | grep -v USDT | tail -50 || rc=1
+  step "cp_sim 9B heads, 32K, cp 8: every call alone (the comparison)"
+  timeout 90 $PY benchmarks/cp_sim.py $bench_args --rep-ms 60 --seqs 32768 --cps 8 --block-keys 32768 \
+      --per-call --tag percall_9b 2>&1 | tail -16 || rc=1
+  cp $bench_out/cp_sim_profile_27b.json $bench_out/cp_sim_percall_9b.json "$OUT/" 2>/dev/null
 fi
 if [ "$phase" = nccl ]; then                    # several GPUs; fa2 cases skip without flash-attn 2
   step "GPU CP tests over NCCL, one rank per GPU: every comm type, window, packed documents, stalled peer"
