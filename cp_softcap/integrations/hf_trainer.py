@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
+from accelerate.data_loader import IterableDatasetShard
 from transformers import Trainer
 
 if int(transformers.__version__.split(".")[0]) < 5:
@@ -202,6 +203,23 @@ def _check_other_keys(batch: dict, b: int, s: int) -> None:
                              "CPTrainer does not know how to shard; remove it in the collator")
 
 
+def real_tokens(batch: dict, rank: int) -> torch.Tensor:
+    """bool, the shape of this CP rank's input_ids: True for the tokens of the user's batch, False
+    for the end padding the packed layout adds (`cu_seqlens`, a PackedLayout from shard_batch)."""
+    ids, layout = batch["input_ids"], batch.get("cu_seqlens")
+    if layout is None or not hasattr(layout, "index"):
+        return torch.ones_like(ids, dtype=torch.bool)
+    return (layout.index(rank, device=ids.device) < layout.cu_seqlens[-1]).expand_as(ids)
+
+
+class _UnpaddedIterableShard(IterableDatasetShard):
+    """accelerate's IterableDatasetShard at dp 1: the stream as it is, a partial last batch kept
+    partial, as on one process (the DataLoader still applies drop_last)."""
+
+    def __iter__(self):
+        yield from self.dataset
+
+
 class CPCollator:
     """Wraps a data collator: collate with it, then keep this CP rank's shard (shard_batch)."""
 
@@ -298,7 +316,30 @@ class CPTrainerMixin:
                              "the DataLoader that accelerate prepares (BatchSamplerShard or "
                              "IterableDatasetShard)")
         target.num_processes, target.process_index = self.dp_size, self.dp_rank
+        if self.dp_size == 1:
+            # one process never completes a partial last batch with samples from the start of
+            # the epoch, so at dp 1 (every rank in one CP group) nothing may: keep it partial
+            if isinstance(target, BatchSamplerShard):
+                target.even_batches = False
+            elif not target.drop_last:
+                target.__class__ = _UnpaddedIterableShard
         return loader
+
+    def _track_num_input_tokens(self, inputs):
+        """num_input_tokens_seen as one process counts it: the real tokens of every dp group's
+        batch, not the end padding of the packed layout, each CP group counted once."""
+        mode = self.args.include_num_input_tokens_seen
+        if mode == "no":
+            return
+        ids = inputs["input_ids"]
+        real = real_tokens(inputs, self.cp_rank)
+        pad_id = getattr(self.processing_class, "pad_token_id", None)
+        if mode == "non_padding" and pad_id is not None:
+            real = real & (ids != pad_id)
+        count = real.sum().to(device=self.args.device, dtype=torch.int64)
+        if dist.is_initialized() and self.args.world_size > 1:
+            dist.all_reduce(count)
+        self.state.num_input_tokens_seen += int(count)
 
     def get_total_train_batch_size(self, args) -> int:
         return self._train_batch_size * args.gradient_accumulation_steps * self.dp_size
