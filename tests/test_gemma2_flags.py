@@ -226,3 +226,16 @@ def test_loader_and_check_share_one_validation(tmp_path):
             load(str(neg))
     with pytest.raises(FileNotFoundError, match="has no tokenizer"):
         data.load_tokens(None, model_dir=str(tmp_path))
+
+
+def test_plan_needs_no_corpus_that_long(capsys):
+    """--plan reads shapes only: 1M tokens plan although the built-in corpus has ~466K."""
+    with pytest.raises(SystemExit) as e:
+        train.main(["--plan", "--config", "9b", "--seq-len", "1048576", "--world-size", "64",
+                    "--fsdp", "--ac", "full", "--dtype", "bfloat16", "--device-mem-gib", "139"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "seq 1048576 (16384 tokens per rank)" in out and out.rstrip().endswith("fits")
+    with pytest.raises(SystemExit) as e:      # a real run still checks the corpus
+        flags.parse(["--seq-len", "1048576"])
+    assert e.value.code == 2 and "fewer than --seq-len 1048576" in capsys.readouterr().err

@@ -139,7 +139,8 @@ def _problems(args, world: int, cfg):
         yield f"config {args.config} has vocab {cfg.vocab_size} < {ByteTokenizer.vocab_size} byte tokens"
     yield from _backend_problems(args, cp, cfg)
     yield from _path_problems(args)
-    yield from _input_problems(args, cfg)
+    if not args.plan:       # the plan needs only shapes: no corpus or weights are read for it
+        yield from _input_problems(args, cfg)
     if args.compile and device_type(args) == "cpu" and not any(map(shutil.which, ("g++", "c++", "clang++"))):
         yield "--compile on CPU needs a C++ compiler (g++, c++ or clang++) on PATH; install one or drop --compile"
     if args.device == "cuda" and device_type(args) != "cuda" and not args.plan:

@@ -1,6 +1,7 @@
 """Rank 0's view of training, as torchtitan logs it: loss, grad norm, lr, tokens/s per device,
 TFLOP/s, MFU (GPU only: null in the JSON on CPU), peak memory; a progress bar; one JSON line per
-step (--metrics)."""
+step (--metrics). TFLOP/s and MFU count model FLOPs (flops.py: causal attention pairs, sliding
+windows and documents, the tied LM head once, no recomputation) over PEAK_FLOPS."""
 from __future__ import annotations
 
 import json
@@ -22,10 +23,9 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class Logger:
-    def __init__(self, args, device: torch.device, tokens_per_device: float, flops_per_token: float,
-                 start: int, lead: bool):
+    def __init__(self, args, device: torch.device, tokens_per_device: float, start: int, lead: bool):
         self.args, self.device, self.lead, self.start = args, device, lead, start
-        self.tok, self.flops = tokens_per_device, flops_per_token
+        self.tok = tokens_per_device
         self.first = self.last = None
         self.t_run = time.perf_counter()
         self.file = open(args.metrics, "a") if (lead and args.metrics) else None
@@ -42,7 +42,9 @@ class Logger:
         if self.lead:
             (self.bar.write if self.bar is not None else lambda s: print(s, flush=True))(text)
 
-    def step(self, done: int, stop: int, loss: float, gnorm: float, lr: float, seconds: float) -> None:
+    def step(self, done: int, stop: int, loss: float, gnorm: float, lr: float, seconds: float,
+             flops_per_token: float) -> None:
+        """One step's line; flops_per_token: the step's model FLOPs per token (flops.py)."""
         self.first = loss if self.first is None else self.first
         self.last = loss
         if not self.lead:
@@ -53,7 +55,7 @@ class Logger:
         tps = self.tok / seconds
         gpu = self.device.type == "cuda"
         rec = {"step": done, "loss": loss, "grad_norm": gnorm, "lr": lr, "tokens_per_s_per_device": tps,
-               "tflops": tps * self.flops / 1e12, "mfu": tps * self.flops / PEAK_FLOPS if gpu else None,
+               "tflops": tps * flops_per_token / 1e12, "mfu": tps * flops_per_token / PEAK_FLOPS if gpu else None,
                "memory_gib": peak_memory_gib(self.device), "step_s": seconds}
         if self.file:
             self.file.write(json.dumps(rec) + "\n")

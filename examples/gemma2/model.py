@@ -198,10 +198,11 @@ class Gemma2(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6N + 12 * layers * heads * head_dim * seq (full causal count)."""
-        c = self.cfg
-        return 6 * self.num_params() + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
+    def flops_per_token(self, seq_len: int, cu_seqlens=None) -> float:
+        """Training (model) FLOPs per token, for MFU: 6N + the attention pairs each layer sees
+        (causal, sliding windows, documents), 12 * heads * head_dim each; flops.py explains."""
+        from .flops import flops_per_token
+        return flops_per_token(self.cfg, self.num_params(), seq_len, cu_seqlens)
 
 
 def assign(p: torch.Tensor, full: torch.Tensor) -> None:

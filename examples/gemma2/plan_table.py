@@ -1,4 +1,4 @@
-"""README's memory-plan table: train.py --plan's peak per rank for Gemma2 2b/9b/27b at 8K/32K/128K
+"""README's memory-plan table: train.py --plan's peak per rank for Gemma2 2b/9b/27b at 8K to 1M
 tokens on 8 and 64 GPUs (cp = all ranks, batch 1, bf16 autocast, ring), with and without AC and
 FSDP2. Each cell is one `train.py --plan` run (in this process).
 
@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     print(f"| model | seq | {head} |")
     print("|---|---|" + "---|" * (2 * len(VARIANTS)))
     for model in ("2b", "9b", "27b"):
-        for seq in (8192, 32768, 131072):
+        for seq in (8192, 32768, 131072, 524288, 1048576):
             cells = []
             for world in (8, 64):
                 for _, extra in VARIANTS:
@@ -47,7 +47,8 @@ def main(argv=None) -> None:
                                      "--device-mem-gib", str(args.device_mem_gib),
                                      *[e.format(ac=args.ac) for e in extra]])
                     cells.append(f"{gib:.0f}" + ("" if gib <= args.device_mem_gib else " ✗"))
-            print(f"| {model} | {seq // 1024}K | " + " | ".join(cells) + " |")
+            label = f"{seq // 2**20}M" if seq >= 2**20 else f"{seq // 1024}K"
+            print(f"| {model} | {label} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

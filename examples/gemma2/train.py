@@ -89,7 +89,7 @@ def build(args, cfg, d: parallel.Dist):
 
 
 def train_step(model, opt, tokens, step: int, args, cfg, d, autocast):
-    """One optimizer step: (loss, grad norm, lr)."""
+    """One optimizer step: (loss, grad norm, lr, model FLOPs per token of this step's batch)."""
     lr = lr_at(step, args)
     for g in opt.param_groups:
         g["lr"] = lr
@@ -101,15 +101,17 @@ def train_step(model, opt, tokens, step: int, args, cfg, d, autocast):
         layout = cps.documents.packed_layout(cu, args.seq_len, d.cp,
                                              layer_windows=[None, (cfg.sliding_window - 1, 0)])
         loss = packed_loss_and_grads(model, inp, lab, layout, d, autocast)
+        flops = model.flops_per_token(args.seq_len, cu)      # documents attend only themselves
     else:
         batch = get_batch(tokens, step=step, dp_rank=d.dp_rank, batch_size=args.batch_size,
                           seq_len=args.seq_len, seed=args.seed, bos_id=cfg.bos_token_id)
         loss = loss_and_grads(model, batch, d, autocast, pad_id=cfg.pad_token_id)
+        flops = model.flops_per_token(args.seq_len)
     gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
     opt.step()
     opt.zero_grad(set_to_none=True)
     gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
-    return loss.item(), gnorm.item(), lr
+    return loss.item(), gnorm.item(), lr, flops
 
 
 def main(argv=None) -> None:
@@ -122,16 +124,15 @@ def main(argv=None) -> None:
     stop = args.max_steps if args.stop_after is None else min(args.max_steps, start + args.stop_after)
     dtype = getattr(torch, job.dtype)
     autocast = torch.autocast(d.device.type, dtype=dtype, enabled=dtype != torch.float32)
-    log = metrics.Logger(args, d.device, args.batch_size * args.seq_len / d.cp,
-                         model.flops_per_token(args.seq_len), start, lead=d.rank == 0)
+    log = metrics.Logger(args, d.device, args.batch_size * args.seq_len / d.cp, start, lead=d.rank == 0)
     log.say(metrics.describe(args, cfg, d, model.num_params(), start))
     log.say(f"attention kernels: {metrics.kernel_choice(cfg, d.cp, args, d.device.type, dtype)}")
     for step in range(start, stop):
         t0 = time.perf_counter()
-        loss, gnorm, lr = train_step(model, opt, tokens, step, args, cfg, d, autocast)
+        loss, gnorm, lr, flops = train_step(model, opt, tokens, step, args, cfg, d, autocast)
         if d.device.type == "cuda":
             torch.cuda.synchronize(d.device)
-        log.step(step + 1, stop, loss, gnorm, lr, time.perf_counter() - t0)
+        log.step(step + 1, stop, loss, gnorm, lr, time.perf_counter() - t0, flops)
         if args.ckpt_dir and ((args.ckpt_every and (step + 1) % args.ckpt_every == 0) or step + 1 == stop):
             log.say(f"saved {checkpoint.save(args.ckpt_dir, step + 1, model, opt, keep=args.keep)}")
     log.close(stop)
