@@ -231,7 +231,7 @@ def test_loader_and_check_share_one_validation(tmp_path):
 def test_plan_needs_no_corpus_that_long(capsys):
     """--plan reads shapes only: 1M tokens plan although the built-in corpus has ~466K."""
     with pytest.raises(SystemExit) as e:
-        train.main(["--plan", "--config", "9b", "--seq-len", "1048576", "--world-size", "64",
+        train.main(["--plan", "--config", "9b", "--seq-len", "1048576", "--world-size", "64", "--batch-size", "1",
                     "--fsdp", "--ac", "full", "--dtype", "bfloat16", "--device-mem-gib", "139"])
     assert e.value.code == 0
     out = capsys.readouterr().out
