@@ -1,5 +1,6 @@
-"""Which small packed geometries flex_attention cannot compile on this GPU, and whether forcing
-flex's main (non-decoding) kernel compiles them: each case forward + backward through FlexKernel
+"""Which small packed geometries flex_attention cannot compile on this GPU with inductor's own
+kernel choice (kernel_options {}), and whether forcing flex's main (non-decoding) kernel, the
+library's default below 128 rows, compiles them: each case forward + backward through FlexKernel
 with segments=, in its own process (a failed compile leaves inductor state behind). Prints one
 line per case and writes flex_compile_probe.json under $OUT (or the current folder).
 
@@ -26,7 +27,7 @@ def one(case):
     import torch
     from cp_softcap.kernels.flex import FlexKernel
     cu_q, cu_k, window = GEOMETRIES[geom]
-    kern = FlexKernel(kernel_options={"FORCE_USE_FLEX_ATTENTION": True} if force else None)
+    kern = FlexKernel(kernel_options={"FORCE_USE_FLEX_ATTENTION": True} if force else {})
     torch.manual_seed(0)
     q = torch.randn(1, cu_q[-1], hq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, cu_k[-1], hkv, d, device="cuda", dtype=torch.bfloat16)

@@ -80,6 +80,9 @@ def geometry_mask_mod(sq: int, sk: int, window: Window, device):
     return window_mask
 
 
+MAIN_KERNEL = {"FORCE_USE_FLEX_ATTENTION": True}
+
+
 def segment_mask_mod(segments, window: Window, device):
     """mask_mod for a call split into document segments (kernel contract, base.py): row q sees
     key k iff same segment and the window holds between k and q's position in key coordinates."""
@@ -106,7 +109,8 @@ class FlexKernel(Kernel):
                "backward recomputes the chunk forward (exact final-LSE reweighting)"))
 
     def __init__(self, compile_on_cuda: bool = True, kernel_options: Optional[dict] = None):
-        """kernel_options: passed to flex_attention as is (None: flex's defaults)."""
+        """kernel_options: passed to flex_attention as is; None: MAIN_KERNEL for calls with
+        fewer than 128 rows (see _options)."""
         self.compile_on_cuda = compile_on_cuda
         self.kernel_options = kernel_options
         self._flex = None
@@ -180,6 +184,16 @@ class FlexKernel(Kernel):
                                                        _compile=device.type == "cuda")
         return self._masks[key]
 
+    def _options(self, sq: int) -> Optional[dict]:
+        """Inductor picks its decoding kernel for fewer than 128 query rows; with grouped query
+        heads it packs the group's rows into one tile, and when they exceed it no configuration
+        compiles (NoValidChoicesError, seen on an H200: 60 and 33 rows, 4 query heads on one KV
+        head). Training calls that short are document pieces and block edges: the main kernel
+        serves them, so it is forced there."""
+        if self.kernel_options is not None:
+            return self.kernel_options
+        return MAIN_KERNEL if sq < 128 else None
+
     def _call(self, q, k, v, scale, softcap, window, segments=None):
         """[B,S,H,D] in -> (out [B,Sq,Hq,Dv], lse [B,Hq,Sq] fp32), differentiable on CUDA."""
         sq, sk = q.shape[1], k.shape[1]
@@ -187,7 +201,7 @@ class FlexKernel(Kernel):
         out, lse = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                       score_mod=self._score_mod(softcap),
                       block_mask=self.block_mask(sq, sk, window, q.device, segments), scale=scale,
-                      enable_gqa=q.shape[2] != k.shape[2], kernel_options=self.kernel_options,
+                      enable_gqa=q.shape[2] != k.shape[2], kernel_options=self._options(sq),
                       **self._lse_kw)
         if not isinstance(lse, torch.Tensor):
             lse = lse.lse                                   # AuxOutput
