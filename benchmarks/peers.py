@@ -115,7 +115,7 @@ def _cps_systems(a, case, world, rank, group) -> List[System]:
 
 
 def _missing(module: str, cuda: bool, standin: bool) -> Optional[tuple]:
-    if importlib.util.find_spec(module) is None:
+    if module not in sys.modules and importlib.util.find_spec(module) is None:
         return ("not installed", f"{module} is not importable (pip install -e '.[peers]' on a GPU "
                                  f"machine, or scripts/stage_peers.sh for one without an index)")
     if not cuda and not standin:
@@ -128,8 +128,7 @@ def _rfa_systems(a, case, world, rank, group, cuda) -> List[System]:
     method = "zigzag_varlen" if case["layout"] == "packed" else "zigzag"
     if miss:
         return [System("rfa", method, status=miss)]
-    import ring_flash_attn as rfa
-    notes = []
+    rfa, notes = _import_rfa()
     if case["softcap"]:
         notes.append(NO_SOFTCAP_RFA)
     window = (-1, -1) if case["window"] is None else case["window"]
@@ -160,6 +159,27 @@ def _rfa_systems(a, case, world, rank, group, cuda) -> List[System]:
                                                      window_size=window, group=group)
         return out[None]
     return [System("rfa", method, take, call, note=note)]
+
+
+def _import_rfa():
+    """ring_flash_attn and notes. Its package __init__ also imports its HF adapter, which fails
+    with transformers releases that dropped is_flash_attn_greater_or_equal_2_10; the attention
+    modules do not need it, so they are then loaded without the package __init__."""
+    if "ring_flash_attn" in sys.modules:
+        return sys.modules["ring_flash_attn"], []
+    try:
+        return importlib.import_module("ring_flash_attn"), []
+    except ImportError as e:
+        if "transformers" not in str(e):
+            raise
+        spec = importlib.util.find_spec("ring_flash_attn")
+        pkg = types.ModuleType("ring_flash_attn")
+        pkg.__path__, pkg.__spec__ = list(spec.submodule_search_locations), spec
+        sys.modules["ring_flash_attn"] = pkg
+        for name in ("zigzag_ring_flash_attn", "zigzag_ring_flash_attn_varlen"):
+            mod = importlib.import_module(f"ring_flash_attn.{name}")
+            setattr(pkg, f"{name}_func", getattr(mod, f"{name}_func"))
+        return pkg, [f"package __init__ failed ({_err(e)[:90]}); its zigzag modules loaded directly"]
 
 
 def _yunchang_degrees(world: int, hq: int, hkv: int) -> List[tuple]:
@@ -402,7 +422,9 @@ def run(a, rank: int, world: int, cuda: bool) -> Optional[Dict]:
     a.mesh, a.yunchang_groups = None, {}
     a.hybrid_groups = {s: cps.make_hybrid_groups(group, s) for s in a.a2a_size
                        if world % s == 0 and 1 < s < world}
-    dtype = torch.bfloat16 if cuda else torch.float32
+    # the stand-in runs bf16 as flash-attn does: in float32 the peers' `dq = dq_buffer.to(float32)`
+    # aliases the buffer the next kernel call overwrites
+    dtype = torch.bfloat16 if cuda or a.flash_attn_standin else torch.float32
     if a.flash_attn_standin:
         install_flash_attn_standin()
     records: List[Dict] = []
@@ -513,13 +535,31 @@ def install_flash_attn_standin() -> None:
     iface = types.ModuleType("flash_attn.flash_attn_interface")
     for name in ("_flash_attn_forward", "_flash_attn_backward", "_flash_attn_varlen_forward",
                  "_flash_attn_varlen_backward"):
-        setattr(iface, name, getattr(impl, name))
+        setattr(iface, name, _causal_as_window(getattr(impl, name)))
 
     def flash_attn_func(*args, **kwargs):
         raise NotImplementedError("flash_attn_func is not part of the stand-in")
     pkg.flash_attn_func = iface.flash_attn_func = flash_attn_func
     pkg.flash_attn_interface = iface
     sys.modules["flash_attn"], sys.modules["flash_attn.flash_attn_interface"] = pkg, iface
+
+
+def _causal_as_window(fn):
+    """The stand-in reads only the window; flash-attn turns causal into a right side of 0. The
+    wrapper keeps fn's signature and defaults (the peers read them with inspect)."""
+    import functools
+    import inspect
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        if bound.arguments["causal"]:
+            bound.arguments["window_size_right"] = 0
+        return fn(*bound.args, **bound.kwargs)
+    wrapped.__signature__ = sig
+    return wrapped
 
 
 # ------------------------------------------------------------------------------ output
