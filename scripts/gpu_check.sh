@@ -51,6 +51,10 @@
 #                                      #   allows), and window 4095
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh torchcp
 #                                      # torch_cp: cps next to PyTorch's own context_parallel
+#   bash scripts/gpu_check.sh peers    # ONE GPU, carry [".peers"] (scripts/stage_peers.sh fills it;
+#                                      #   flash-attn 2 already installed): peers.py at world size 1
+#   On N GPUs (same carry): torchrun --nproc-per-node N benchmarks/peers.py [--a2a-size 2 4]
+#                                      #   -> benchmarks/results/peers_N<N>.json and .png
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh gemma2multi
 #                                      # Gemma2 training with cp = every GPU, FSDP2, selective AC
 #                                      #   (9b with 8+ GPUs, else 2b), seq 32768
@@ -260,6 +264,15 @@ if [ "$phase" = pk3 ]; then
   timeout 90 $PY benchmarks/cp_sim.py $bench_args --rep-ms 60 --seqs 32768 --cps 8 --block-keys 32768 \
       --per-call --tag percall_9b 2>&1 | tail -16 || rc=1
   cp $bench_out/cp_sim_profile_27b.json $bench_out/cp_sim_percall_9b.json "$OUT/" 2>/dev/null
+fi
+if [ "$phase" = peers ]; then                   # one GPU, carry [".peers"] (scripts/stage_peers.sh); flash-attn 2 installed
+  step "install ring-flash-attn and yunchang from .peers/"
+  if ls .peers/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-deps --no-index --no-compile .peers/*.whl 2>&1 | tail -3
+  fi
+  step "peers: cps next to ring-flash-attn, yunchang and torch context_parallel, world size 1 (exactness vs float64 + fwd+bwd)"
+  timeout 540 $PY benchmarks/peers.py $bench_args 2>&1 | tail -90 || rc=1
+  cp $bench_out/peers_N1.json $bench_out/peers_N1.png "$OUT/" 2>/dev/null
 fi
 if [ "$phase" = nccl ]; then                    # several GPUs; fa2 cases skip without flash-attn 2
   step "GPU CP tests over NCCL, one rank per GPU: every comm type, window, packed documents, stalled peer"
