@@ -17,7 +17,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.plots import RESULTS, bar_plot, case_plot, plot_json  # noqa: E402,F401 (re-exported)
 OUT_DIR_HELP = ("folder for the JSON and PNG (default: benchmarks/results/; a dry run: $OUT, "
                 "else a new temporary folder)")
 
@@ -74,54 +75,11 @@ def report(stem: str, records: List[Dict], meta: Dict, rows: List[List[str]], ou
            tag: Optional[str] = None) -> str:
     """A benchmark's output: save(<stem>[_<tag>]), its plot next to the JSON, the table of rows
     and the JSON's path printed; returns that path."""
-    from benchmarks.plots import plot_json      # plots imports this module
     path = save(stem + (f"_{tag}" if tag else ""), records, meta, out_dir)
     plot_json(path)
     print(table(rows))
     print(f"wrote {path}")
     return path
-
-
-def bar_plot(path: str, labels: List[str], series: Dict[str, List[float]], ylabel: str,
-             title: str, hline: float = None) -> None:
-    """Grouped bar chart -> PNG (skipped with a note if matplotlib is missing)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib missing: no plot {path}")
-        return
-    fig, ax = plt.subplots(figsize=(max(6, len(labels) * 1.1), 4))
-    n = max(1, len(series))
-    width = 0.8 / n
-    for i, (name, vals) in enumerate(series.items()):
-        xs = [x + i * width - 0.4 + width / 2 for x in range(len(labels))]
-        ax.bar(xs, [v if v == v else 0 for v in vals], width, label=name)
-    if hline is not None:
-        ax.axhline(hline, color="k", lw=0.8, ls="--")
-    ax.set_xticks(range(len(labels)))
-    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def case_plot(path: str, records: List[Dict], series_of: Callable[[Dict], str], ylabel: str,
-              title: str) -> None:
-    """bar_plot of records' "tflops", one bar group per (model, S, mode) and one series per
-    series_of(record); records without "tflops" are left out."""
-    case = lambda r: f"{r['model']} {r['S'] // 1024}K {r['mode']}"   # noqa: E731
-    ok = [r for r in records if "tflops" in r]
-    labels = sorted({case(r) for r in ok})
-    series: Dict[str, Dict[str, float]] = {}
-    for r in ok:
-        series.setdefault(series_of(r), {})[case(r)] = r["tflops"]
-    bar_plot(path, labels, {n: [v.get(lbl, float("nan")) for lbl in labels] for n, v in series.items()},
-             ylabel, title)
 
 
 def table(rows: List[List[str]]) -> str:
