@@ -227,7 +227,7 @@ if [ "$phase" = native ]; then                  # after fa4 is installed
 fi
 if [ "$phase" = pk1 ]; then
   step "flex compile probe: small packed geometries, default vs forced main kernel"
-  timeout 200 $PY scripts/flex_compile_probe.py 2>&1 | tail -80 || rc=1
+  timeout 150 $PY scripts/flex_compile_probe.py 2>&1 | tail -40 || rc=1
   step "GPU tests without fa4/fa2: flex, sdpa, torch, merge, adapters, autocast, segments"
   timeout 280 $PY -m pytest tests/test_gpu_kernels.py tests/test_gpu_merge.py tests/test_kernel_adapters.py \
       tests/test_gpu_autocast.py tests/test_gpu_segments.py -q -rs -n 8 -p no:cacheprovider \
