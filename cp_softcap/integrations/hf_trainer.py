@@ -16,6 +16,8 @@ What CPTrainer changes, each through a Trainer or accelerate hook (docs/hf_train
   this rank's shard of input_ids and labels and adds its position_ids: the zigzag shard for one
   sequence per row, the packed layout for packed documents (DataCollatorWithFlattening, TRL's
   padding-free collator), whose GLOBAL boundaries go to the model as `cu_seqlens`.
+  At dp 1 a short last batch stays short (accelerate would complete it from the start of the
+  epoch), as on one process; num_input_tokens_seen counts real tokens, not the layout's padding.
 - loss: Trainer counts the valid labels of the sharded batches and sums the counts over the world
   (`average_tokens_across_devices=True`, required), so every rank's loss is its cross-entropy sum
   divided by the GLOBAL count; Trainer scales it by the world size, which cancels DDP's average:
