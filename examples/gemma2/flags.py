@@ -15,6 +15,7 @@ import sys
 
 from .config import CONFIGS, from_hf_json, get_config
 from .data import ByteTokenizer, check_data
+from .fused import CHOICES, choose
 from .model import weight_files
 from .parallel import COMMS, check_comm
 from .parallelize import AC_MODES
@@ -64,6 +65,10 @@ def parser(doc: str) -> Parser:
     a("--ac", default="none", choices=AC_MODES,
       help="activation checkpointing: full recomputes each layer in backward, selective its MLP half")
     a("--compile", action="store_true", help="torch.compile the pieces of each layer around attention")
+    a("--fused", default="auto", choices=CHOICES,
+      help="RMSNorm, GEGLU, RoPE and the softcapped LM-head loss on Liger Kernel's fused GPU kernels: "
+      "auto = on CUDA when liger_kernel imports (with --compile only the loss), liger = insist, "
+      "torch = never (the pure-PyTorch pieces). The Liger loss ignores --loss-chunk")
     a("--loss-chunk", type=int, help="tokens per cross-entropy slice (None: 256 MiB of float32 logits)")
     a("--seq-len", type=int, default=256, help="global sequence length (a multiple of 2*cp)")
     a("--batch-size", type=int, default=8, help="sequences per dp rank per step")
@@ -139,8 +144,12 @@ def _problems(args, world: int, cfg):
         yield f"config {args.config} has vocab {cfg.vocab_size} < {ByteTokenizer.vocab_size} byte tokens"
     yield from _backend_problems(args, cp, cfg)
     yield from _path_problems(args)
-    if not args.plan:       # the plan needs only shapes: no corpus or weights are read for it
+    if not args.plan:       # the plan needs only shapes: no corpus, weights or kernels
         yield from _input_problems(args, cfg)
+        try:
+            choose(args.fused, device_type(args), args.compile)
+        except ValueError as e:
+            yield str(e)
     if args.compile and device_type(args) == "cpu" and not any(map(shutil.which, ("g++", "c++", "clang++"))):
         yield "--compile on CPU needs a C++ compiler (g++, c++ or clang++) on PATH; install one or drop --compile"
     if args.device == "cuda" and device_type(args) != "cuda" and not args.plan:

@@ -108,3 +108,14 @@ def kernel_choice(cfg, cp: int, args, device_type: str, dtype: torch.dtype) -> O
     import cp_softcap as cps
     return ", ".join(f"{kind} layers -> {cps.select(spec, args.backend).name}"
                      for kind, spec in layer_specs(cfg, cp, args, device_type, dtype))
+
+
+def fused_choice(model) -> str:
+    """Which pieces outside attention run on Liger's kernels (fused.py), e.g. "liger: rms_norm,
+    geglu, rope, loss" or "none (pure PyTorch)"."""
+    from .model import MLP, Attention, RMSNorm
+    on = {"rms_norm": RMSNorm, "geglu": MLP, "rope": Attention}
+    pieces = [name for name, cls in on.items()
+              if any(isinstance(m, cls) and m.liger for m in model.modules())]
+    pieces += ["loss"] if model.liger_loss else []
+    return f"liger: {', '.join(pieces)}" if pieces else "none (pure PyTorch)"

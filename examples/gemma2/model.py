@@ -20,12 +20,15 @@ from torch.utils.checkpoint import checkpoint
 
 from cp_softcap import CPAttention
 
+from . import fused
 from .config import Gemma2Config
 from .loss import softcap_cross_entropy_sum
 
 
 class RMSNorm(nn.Module):
-    """x * rsqrt(mean(x^2) + eps) * (1 + w), computed in float32 and cast back; w starts at 0."""
+    """x * rsqrt(mean(x^2) + eps) * (1 + w), computed in float32 and cast back; w starts at 0.
+    liger: the same in one Triton kernel (fused.py, --fused)."""
+    liger = False
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -33,6 +36,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.liger:
+            return fused.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).type_as(x)
@@ -55,6 +60,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    liger = False       # RoPE by Liger's kernel (fused.py)
+
     def __init__(self, cfg: Gemma2Config, layer: int, cp_group, comm: str, backend: str):
         super().__init__()
         self.h, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -73,6 +80,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, s, self.h, self.d)
         k = self.k_proj(x).view(b, s, self.hkv, self.d)
         v = self.v_proj(x).view(b, s, self.hkv, self.d)
+        if self.liger:
+            q, k = fused.rope(q, k, cos, sin)
+            return q.to(v.dtype), k.to(v.dtype), v
         return apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -81,6 +91,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    liger = False       # gelu_tanh(gate) * up by Liger's kernel (fused.py)
+
     def __init__(self, cfg: Gemma2Config):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -88,6 +100,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.liger:
+            return self.down_proj(fused.geglu(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
 
 
@@ -163,6 +177,7 @@ class Gemma2(nn.Module):
         self.cfg = cfg
         self.model = Gemma2Body(cfg, cp_group, comm, backend)
         self.loss_chunk: Optional[int] = None     # tokens per loss slice (None: 256 MiB of logits)
+        self.liger_loss = False                   # the loss by Liger's fused kernel (fused.py)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
@@ -190,6 +205,8 @@ class Gemma2(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, cu_seqlens)
         h, cap = self.model.norm(x), cfg.final_logit_softcapping
+        if labels is not None and self.liger_loss:
+            return fused.softcap_cross_entropy_sum(h, emb.weight, labels, cap)
         if labels is not None:
             return softcap_cross_entropy_sum(h, emb.weight, labels, cap, self.loss_chunk)
         logits = F.linear(h, emb.weight)     # tied lm_head

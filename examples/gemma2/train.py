@@ -24,7 +24,7 @@ import cp_softcap as cps
 if __package__ in (None, ""):   # run as a script: make `gemma2` importable from examples/
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gemma2 import checkpoint, flags, memory, metrics, parallel, parallelize  # noqa: E402
+from gemma2 import checkpoint, flags, fused, memory, metrics, parallel, parallelize  # noqa: E402
 from gemma2.data import check_ids, get_batch, get_packed_batch, load_documents, load_tokens  # noqa: E402
 from gemma2.model import Gemma2, load_hf_weights  # noqa: E402
 from gemma2.step import loss_and_grads, packed_loss_and_grads  # noqa: E402
@@ -63,6 +63,7 @@ def build(args, cfg, d: parallel.Dist):
     with torch.device("meta" if args.fsdp else "cpu"):   # FSDP: materialise only this rank's shards
         model = Gemma2(cfg, group, comm=args.comm, backend=args.backend)
     model.loss_chunk = args.loss_chunk
+    fused.apply(model, fused.choose(args.fused, d.device.type, args.compile))
     parallelize.apply_ac(model, args.ac)
     if args.compile:
         parallelize.apply_compile(model)
@@ -127,6 +128,7 @@ def main(argv=None) -> None:
     log = metrics.Logger(args, d.device, args.batch_size * args.seq_len / d.cp, start, lead=d.rank == 0)
     log.say(metrics.describe(args, cfg, d, model.num_params(), start))
     log.say(f"attention kernels: {metrics.kernel_choice(cfg, d.cp, args, d.device.type, dtype)}")
+    log.say(f"fused kernels (--fused {args.fused}): {metrics.fused_choice(model)}")
     for step in range(start, stop):
         t0 = time.perf_counter()
         loss, gnorm, lr, flops = train_step(model, opt, tokens, step, args, cfg, d, autocast)
