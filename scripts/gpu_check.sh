@@ -42,6 +42,10 @@
 #                                      #   fa4 varlen tests, every fa4/fa2 kernel, autocast and CP test
 #   bash scripts/gpu_check.sh pk3      # call 3 (same machine, nothing carried): packed kernels vs
 #                                      #   cuDNN, cp_sim --packed with fa4, cp_sim 27B profile
+#   bash scripts/gpu_check.sh train26  # ONE call, carry [".liger"] (scripts/stage_liger.sh), fa4 +
+#                                      #   fa2 installed: Liger vs our pieces, Gemma2 2b 8K train
+#                                      #   (eager, --compile, --pack), per-piece speed + top kernels,
+#                                      #   32K plan vs measured peak, HF attention impls, longest fit
 # On a several-GPU kind, in this order (each is call 2 of a pair, after .fa4a's call 1):
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh nccl
 #                                      # CP tests over NCCL, one rank per GPU: every comm type,
@@ -273,6 +277,54 @@ if [ "$phase" = peers ]; then                   # one GPU, carry [".peers"] (scr
   step "peers: cps next to ring-flash-attn, yunchang and torch context_parallel, world size 1 (exactness vs float64 + fwd+bwd)"
   timeout 540 $PY benchmarks/peers.py $bench_args 2>&1 | tail -90 || rc=1
   cp $bench_out/peers_N1.json $bench_out/peers_N1.png "$OUT/" 2>/dev/null
+fi
+if [ "$phase" = train26 ]; then                 # one GPU; carry [".liger"]; fa4 and fa2 installed
+  G=examples/gemma2; T=/tmp/train26; rm -rf $T; mkdir -p $T; log="$OUT/train26.log"
+  if [ "$dry" = 1 ]; then m=tiny; s8=256; s32=512; n=3; hf="--dry-run --steps 1"
+  else m=2b; s8=8192; s32=32768; n=6; hf=""; fi
+  step "install liger-kernel from .liger/"
+  if ls .liger/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-deps --no-index --no-compile .liger/*.whl 2>&1 | tail -3
+  fi
+  $PY -c "import sys; sys.path.insert(0, 'examples'); from gemma2 import fused; print('liger:', fused.liger_problem() or 'imports')" 2>&1 | tee -a "$log"
+  step "Liger's RMSNorm/GEGLU/RoPE/loss against ours in bf16; the FLOP formula against flop_counter"
+  timeout 240 $PY -m pytest tests/test_gemma2_liger.py tests/test_gemma2_flops.py -q -rs -p no:cacheprovider \
+      2>&1 | tee -a "$log" | tail -15 || rc=1
+  run26() {   # name, time limit, train.py flags: metrics to $T/name.jsonl
+    local name=$1 lim=$2; shift 2
+    step "train.py $name: $*"
+    timeout "$lim" $PY $G/train.py --config $m --batch-size 1 --no-progress --metrics "$T/$name.jsonl" "$@" \
+        2>&1 | tee -a "$log" | grep -v "^step " | tail -5 || rc=1
+    tail -1 "$T/$name.jsonl" 2>/dev/null
+  }
+  run26 8k 150 --seq-len $s8 --max-steps $n
+  run26 8k_compile 240 --seq-len $s8 --max-steps $n --compile
+  run26 8k_pack 150 --seq-len $s8 --max-steps $n --pack
+  step "speed.py at $s8 tokens: each Liger piece on and off, then the top kernels"
+  timeout 150 $PY $G/speed.py --config $m --seq-len $s8 --batch-size 1 --no-progress --json "$T/speed.jsonl" \
+      --profile-table "$OUT/profile26.txt" 2>&1 | tee -a "$log" | tail -40 || rc=1
+  ac=selective
+  $PY $G/train.py --plan --config $m --seq-len $s32 --batch-size 1 --ac selective | tail -1 | grep -q '^fits' || ac=full
+  step "$s32 tokens, --ac $ac: memory plan against max_memory_allocated, then MFU"
+  timeout 120 $PY $G/memcheck.py --config $m --seq-len $s32 --batch-size 1 --ac $ac --no-progress \
+      --json "$T/memcheck.jsonl" 2>&1 | tee -a "$log" | tail -2 || rc=1
+  run26 32k_$ac 120 --seq-len $s32 --ac $ac --max-steps 4
+  step "HF Gemma2 with cp_softcap / eager / sdpa / flash_attention_2"
+  timeout 170 $PY benchmarks/hf_attention.py $hf --out-dir "$OUT" 2>&1 | tee -a "$log" | tail -8 || rc=1
+  for L in 131072 114688 98304 81920 65536 49152; do
+    [ "$dry" = 1 ] && L=1024
+    $PY $G/train.py --plan --config $m --seq-len $L --batch-size 1 --ac full | tail -1 | grep -q '^fits' && break
+  done
+  run26 longest_${L}_full 170 --seq-len $L --ac full --max-steps 3
+  $PY - "$T" "$OUT/train26.jsonl" <<'EOF'
+import json, os, sys
+src, dst = sys.argv[1], sys.argv[2]
+with open(dst, "w") as out:
+    for name in sorted(os.listdir(src)):
+        for line in open(os.path.join(src, name)):
+            out.write(json.dumps({"run": name[:-len(".jsonl")], **json.loads(line)}) + "\n")
+print("wrote", dst)
+EOF
 fi
 if [ "$phase" = nccl ]; then                    # several GPUs; fa2 cases skip without flash-attn 2
   step "GPU CP tests over NCCL, one rank per GPU: every comm type, window, packed documents, stalled peer"

@@ -285,3 +285,20 @@ def test_liger_training_step_matches_pytorch():
     for name in g0:
         rel = ((g1[name] - g0[name]).norm() / g0[name].norm().clamp_min(1e-12)).item()
         assert rel < 3e-2, (name, rel)
+
+
+def test_speed_script_runs_on_cpu(tmp_path):
+    """examples/gemma2/speed.py (the GPU phase's per-piece timing and profile) on a tiny model:
+    on CPU only the PyTorch variant runs; the JSON line and the profile table are written."""
+    import json
+    import subprocess
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    res = subprocess.run([sys.executable, "examples/gemma2/speed.py", "--seq-len", "64", "--batch-size", "1",
+                          "--no-progress", "--warm", "1", "--steps", "1", "--json", str(tmp_path / "s.jsonl"),
+                          "--profile-table", str(tmp_path / "t.txt"), "--top", "3"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rec = json.loads((tmp_path / "s.jsonl").read_text())
+    assert rec["variant"] == "torch" and rec["tokens_per_s"] > 0 and rec["mfu"] is None
+    assert "aten::" in (tmp_path / "t.txt").read_text()

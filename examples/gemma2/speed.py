@@ -1,0 +1,100 @@
+"""Step time of train.py's training step with each Liger piece on and off, on one model, and a
+torch.profiler table of the top kernels: which fused kernels win, and where the time goes.
+
+    python examples/gemma2/speed.py --config 2b --seq-len 8192 --batch-size 1 --json out.jsonl
+
+Takes train.py's flags (--fused is ignored: every variant is tried). One model is built; for
+each variant (all PyTorch; one Liger piece at a time; all four) it runs --warm untimed steps,
+then --steps timed ones, and records the median step time, tokens/s, MFU (flops.py) and
+torch.cuda.max_memory_allocated over the variant's steps. Then it profiles two steps of the last
+variant and prints the kernels with the most GPU time (--profile-table writes the table to a
+file). On CPU the Liger variants are skipped (Liger's kernels are GPU-only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gemma2 import flags, fused, metrics, parallel, train  # noqa: E402
+
+
+def _extra(argv):
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--warm", type=int, default=2, help="untimed steps per variant")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per variant (median)")
+    p.add_argument("--json", help="append one JSON line per variant here")
+    p.add_argument("--profile-table", help="write the profiler's top-kernel table here")
+    p.add_argument("--top", type=int, default=25, help="rows of the top-kernel table")
+    return p.parse_known_args(argv)
+
+
+def variants(device_type: str):
+    if device_type != "cuda" or fused.liger_problem():
+        return [("torch", ())]
+    return [("torch", ())] + [(p, (p,)) for p in fused.PIECES] + [("liger", fused.PIECES)]
+
+
+def main(argv=None) -> None:
+    extra, rest = _extra(sys.argv[1:] if argv is None else argv)
+    args, cfg, world = flags.parse(rest + ["--fused", "torch"], __doc__)
+    d = parallel.init(args.cp, args.device)
+    model, opt, tokens = train.build(args, cfg, d)
+    dtype = getattr(torch, flags.compute_dtype(args))
+    autocast = torch.autocast(d.device.type, dtype=dtype, enabled=dtype != torch.float32)
+    cuda = d.device.type == "cuda"
+    tok = args.batch_size * args.seq_len / d.cp
+    step = 0
+    lines = []
+    for name, pieces in variants(d.device.type):
+        fused.apply(model, pieces)
+        times = []
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(d.device)
+        for i in range(extra.warm + extra.steps):
+            t0 = time.perf_counter()
+            loss, _, _, flops = train.train_step(model, opt, tokens, step, args, cfg, d, autocast)
+            if cuda:
+                torch.cuda.synchronize(d.device)
+            if i >= extra.warm:
+                times.append(time.perf_counter() - t0)
+            step += 1
+        s = statistics.median(times)
+        rec = {"variant": name, "liger": list(pieces), "flags": " ".join(rest), "step_s": s,
+               "tokens_per_s": tok / s, "tflops": tok * flops / s / 1e12,
+               "mfu": tok * flops / s / metrics.PEAK_FLOPS if cuda else None,
+               "memory_gib": metrics.peak_memory_gib(d.device), "loss": loss}
+        lines.append(rec)
+        print(json.dumps(rec), flush=True)
+    if extra.json and d.rank == 0:
+        with open(extra.json, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in lines)
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(2):
+            train.train_step(model, opt, tokens, step, args, cfg, d, autocast)
+            step += 1
+        if cuda:
+            torch.cuda.synchronize(d.device)
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=extra.top, max_name_column_width=70)
+    head = f"top kernels by {key}, 2 steps, variant {lines[-1]['variant']}, {' '.join(rest)}\n"
+    print(head + table, flush=True)
+    if extra.profile_table and d.rank == 0:
+        with open(extra.profile_table, "w") as f:
+            f.write(head + table)
+    import torch.distributed as dist
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
