@@ -161,7 +161,10 @@ def fake_fa4():
                         seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None,
                         causal=False, softcap=None, window_size_left=None, window_size_right=None,
                         return_lse=False, score_mod=None, **unused):
-        assert causal is False and return_lse and score_mod is None and isinstance(softcap, float)
+        assert causal is False and return_lse and isinstance(softcap, float)
+        if score_mod is not None:           # the sm90 form: cap * tanh(u), u = s * scale / cap
+            assert softcap == 0.0
+            softmax_scale, softcap = softmax_scale * score_mod.cap, score_mod.cap
         segs = _unpack(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         if segs is None:
             out, lse = TK.forward(q, k, v, scale=softmax_scale, softcap=softcap or None,
@@ -178,12 +181,17 @@ def fake_fa4():
                         score_mod=None, score_mod_bwd=None, dlse=None, **unused):
         assert lse.dtype == torch.float32 and lse.is_contiguous()
         assert out.dtype == dout.dtype == q.dtype, "FA4 takes O and dO in the input dtype"
+        assert isinstance(deterministic, bool)
+        if score_mod is not None:
+            assert softcap == 0.0 and score_mod_bwd is not None and score_mod_bwd.cap == score_mod.cap
+            softmax_scale, softcap = softmax_scale * score_mod.cap, score_mod.cap
         segs = _unpack(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         kw = dict(scale=softmax_scale, softcap=softcap or None,
                   window=(window_size_left, window_size_right))
         if segs is None:
             return TK.backward(dout, q, k, v, out, lse, dlse=dlse, **kw)
         assert lse.shape == (q.shape[1], q.shape[0]), "varlen LSE is [H, total_q]"
+        assert out.shape == dout.shape == q.shape[:2] + v.shape[-1:] and k.shape[0] == v.shape[0]
         assert dlse is None or (dlse.shape == lse.shape and dlse.is_contiguous())
         g = TK.backward(dout[None], q[None], k[None], v[None], out[None], lse[None],
                         dlse=None if dlse is None else dlse[None], segments=segs, **kw)
@@ -192,9 +200,27 @@ def fake_fa4():
     return types.SimpleNamespace(_flash_attn_fwd=_flash_attn_fwd, _flash_attn_bwd=_flash_attn_bwd)
 
 
+def _sm90_softcap(monkeypatch):
+    """The adapter as on sm90: softcap through score_mod with the scale folded into the cap
+    (stand-in mods that carry their cap), instead of FA4's softcap= that the CPU path takes."""
+    import functools
+
+    from cp_softcap.kernels import fa4, fa4_softcap
+
+    def mods(cap):
+        f, b = (lambda *a: None), (lambda *a: None)
+        f.cap = b.cap = cap
+        return f, b
+    monkeypatch.setattr(fa4, "cuda_arch", lambda device=None: 90)
+    monkeypatch.setattr(fa4, "softcap_kwargs", functools.partial(fa4_softcap.softcap_kwargs, mods=mods))
+
+
+@pytest.mark.parametrize("arch", ["sm90", "other"])
 @pytest.mark.parametrize("ci", range(len(SEGMENT_CASES)), ids=SEGMENT_IDS)
-def test_fa4_varlen_with_stand_in(ci):
+def test_fa4_varlen_with_stand_in(ci, arch, monkeypatch):
     from cp_softcap.kernels.fa4 import FA4Kernel
+    if arch == "sm90":
+        _sm90_softcap(monkeypatch)
     cu_q, cu_k, window, _ = SEGMENT_CASES[ci]
     check_segmented(FA4Kernel(module=fake_fa4()), (cu_q, cu_k), window, softcap=CAPS[ci % 4],
                     dtype=torch.float64, hq=4, hkv=1 + ci % 2, b=1 + ci % 2, tols=F32_LSE)

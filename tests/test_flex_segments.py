@@ -79,3 +79,15 @@ def test_block_masks_cached_per_geometry():
     assert fk.block_mask(20, 20, (None, None), CPU, ((0, 20), (0, 20))) is None
     with pytest.raises(ValueError, match="cu_k"):
         fk.block_mask(20, 20, (None, 0), CPU, ((0, 4, 20), (0, 4, 21)))
+
+
+def test_flex_forces_the_main_kernel_below_128_rows():
+    """Inductor's decoding kernel (chosen below 128 query rows) cannot compile grouped heads whose
+    rows exceed its tile: the adapter forces the main kernel there, and a caller's options win."""
+    from cp_softcap.kernels.flex import MAIN_KERNEL, FlexKernel
+    k = FlexKernel()
+    assert k._options(127) == MAIN_KERNEL and k._options(1) == MAIN_KERNEL
+    assert k._options(128) is None and k._options(4096) is None
+    own = {"BLOCK_M": 64}
+    assert FlexKernel(kernel_options=own)._options(60) is own
+    assert FlexKernel(kernel_options={})._options(60) == {}

@@ -69,6 +69,33 @@ def test_fa4_varlen_gemma2_heads_long_documents(heads, window):
                     device="cuda")
 
 
+def test_fa4_varlen_many_segments_and_deterministic():
+    """More than 256 sequences in one varlen call (FA4 switches to another scheduler there: a
+    packed run's diagonal call holds all its documents), batch 2, length-1 and empty segments;
+    then the same call under deterministic algorithms twice: bitwise equal gradients."""
+    import random
+    fa4 = get_kernel("fa4")
+    if fa4._interface() is None:
+        pytest.skip(fa4._import_reason)
+    rng = random.Random(7)
+    cu = [0]
+    for i in range(160):
+        cu.append(cu[-1] + (0 if i % 37 == 5 else 1 if i % 5 == 0 else rng.randint(2, 40)))
+    cu = tuple(cu)
+    check_segmented(fa4, (cu, cu), (15, 0), softcap=30.0, dtype=torch.bfloat16, hq=8, hkv=2, d=128,
+                    b=2, device="cuda")
+    from segment_checks import inputs, run_kernel
+    q, k, v, dout, _ = inputs((cu, cu), 8, 2, 128, torch.bfloat16, 30.0, b=2, device="cuda")
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [run_kernel(fa4, q, k, v, dout, scale=128 ** -0.5, softcap=30.0, window=(15, 0),
+                           segments=(cu, cu))[2] for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 @pytest.mark.parametrize("backend", ["fa4", "fa2", "flex", "auto"])
 def test_packed_attention_cuda(backend):
     """cps.attention(cu_seqlens=) on CUDA in bf16: documents of length 1, shorter and longer than

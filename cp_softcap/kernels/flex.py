@@ -109,8 +109,9 @@ class FlexKernel(Kernel):
                "backward recomputes the chunk forward (exact final-LSE reweighting)"))
 
     def __init__(self, compile_on_cuda: bool = True, kernel_options: Optional[dict] = None):
-        """kernel_options: passed to flex_attention as is; None: MAIN_KERNEL for calls with
-        fewer than 128 rows (see _options)."""
+        """kernel_options: passed to flex_attention as is, for every call (then calls with fewer
+        than 128 rows are the caller's to configure); None: MAIN_KERNEL for those calls, flex's
+        defaults otherwise (see _options)."""
         self.compile_on_cuda = compile_on_cuda
         self.kernel_options = kernel_options
         self._flex = None
