@@ -101,3 +101,31 @@ def run(nproc: int, script: str, args: Sequence[str], timeout: float, what: str)
     """One torchrun of `script args` on `nproc` local ranks; returns its output."""
     p = start(torchrun_args(nproc) + [script, *args])
     return finish([p], timeout, what)[0]
+
+
+def reference_and_cp(workers: str, out: str, what: str):
+    """`workers ref out` in one process and `workers cp out` on 4 torchrun ranks, started
+    together; each run writes <name>.json and <name>.pt into `out`. Returns (the CP run's
+    output, load(name) -> (json, tensors))."""
+    import json
+
+    import torch
+
+    ref = start([sys.executable, workers, "ref", out])
+    cp = start(torchrun_args(4) + [workers, "cp", out])
+    _, cp_out = finish([ref, cp], timeout=240, what=what)
+
+    def load(name):
+        with open(os.path.join(out, name + ".json")) as f:
+            return json.load(f), torch.load(os.path.join(out, name + ".pt"))
+    return cp_out, load
+
+
+def rel(a, b) -> float:
+    """max |a - b| / max |b| in float64; inf when either holds a NaN or inf."""
+    import torch
+
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return float("inf")
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()

@@ -15,12 +15,12 @@ import os
 import sys
 
 import pytest
-import torch
 
 pytest.importorskip("transformers", minversion="5")
 pytest.importorskip("trl", minversion="1.16")
 sys.path.insert(0, os.path.dirname(__file__))
 import gemma2_launch as L  # noqa: E402
+from gemma2_launch import rel  # noqa: E402
 
 WORKERS = os.path.join(L.ROOT, "tests_dist", "sft_workers.py")
 TOL = 1e-6
@@ -31,22 +31,9 @@ CASES = {"packed_completion": 2, "packed_assistant": 1, "padfree_full": 2, "padf
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("sft"))
-    ref = L.start([sys.executable, WORKERS, "ref", out])
-    cp = L.start(L.torchrun_args(4) + [WORKERS, "cp", out])
-    _, cp_out = L.finish([ref, cp], timeout=240, what="SFT reference and CP runs")
+    cp_out, load = L.reference_and_cp(WORKERS, out, "SFT reference and CP runs")
     assert "dp 2 x cp 2 (ring, packed): train losses [" in cp_out      # examples/gemma2/sft.py ran
-
-    def load(name):
-        with open(os.path.join(out, name + ".json")) as f:
-            return json.load(f), torch.load(os.path.join(out, name + ".pt"))
     return load, out
-
-
-def rel(a, b) -> float:
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-        return float("inf")
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def errors(run, ref, keys=STEP_KEYS, eval_metrics=False) -> dict:
