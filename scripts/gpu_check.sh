@@ -73,6 +73,14 @@ PY=${PYTHON:-python3}
 dry=${GPU_CHECK_DRY:-0}
 rc=0
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
+install_fa2() {                                 # the flash-attn 2 wheel carried in .fa2/, if any
+  step "install flash-attn 2 from .fa2/"
+  if ls .fa2/flash_attn-*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-deps --no-index --no-compile .fa2/flash_attn-*.whl 2>&1 | tail -3
+  fi
+  $PY -c "import flash_attn, flash_attn_2_cuda; print('flash-attn', flash_attn.__version__)" 2>&1 \
+      | tee "$OUT/fa2_import.txt" || rc=1
+}
 
 step "env"
 $PY - <<'EOF' 2>&1 | tee "$OUT/env.txt"
@@ -171,11 +179,7 @@ if [ "$phase" = accum ]; then                   # after fa4 is installed
   cp $bench_out/cp_sim_accum*.json $bench_out/cp_sim_accum.png $bench_out/cp_sim_window.* "$OUT/" 2>/dev/null
 fi
 if [ "$phase" = fa2 ]; then                     # after fa4 is installed; .fa2/ carried
-  step "install flash-attn 2 from .fa2/"
-  if ls .fa2/flash_attn-*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-deps --no-index --no-compile .fa2/flash_attn-*.whl 2>&1 | tail -3
-  fi
-  $PY -c "import flash_attn, flash_attn_2_cuda; print('flash-attn', flash_attn.__version__)" 2>&1 | tee "$OUT/fa2_import.txt" || rc=1
+  install_fa2
   step "GPU tests: fa2 (softcap 1-50 fwd+bwd, windows per chunk pair, empty rows, GQA, D 64/128/256, fp16)"
   timeout 200 $PY -m pytest tests/test_gpu_kernels.py tests/test_kernel_adapters.py -q -rs -n 4 \
       -p no:cacheprovider -k "fa2" 2>&1 | tee "$OUT/pytest_fa2.log" | tail -15 || rc=1
@@ -198,11 +202,7 @@ if [ "$phase" = flexflash ]; then               # after fa4 is installed
   cp $bench_out/flex_flash.json $bench_out/flex_flash.png "$OUT/" 2>/dev/null
 fi
 if [ "$phase" = packed ]; then                  # carry .fa2; fa4 cases skip themselves
-  step "install flash-attn 2 from .fa2/"
-  if ls .fa2/flash_attn-*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-deps --no-index --no-compile .fa2/flash_attn-*.whl 2>&1 | tail -3
-  fi
-  $PY -c "import flash_attn, flash_attn_2_cuda; print('flash-attn', flash_attn.__version__)" 2>&1 || rc=1
+  install_fa2
   step "GPU tests: segments (fa2 varlen, flex, torch), kernels, autocast (fa4 cases skip without it)"
   timeout 170 $PY -m pytest tests/test_gpu_segments.py tests/test_gpu_kernels.py tests/test_gpu_autocast.py \
       -q -rs -n 6 -p no:cacheprovider 2>&1 | tee "$OUT/pytest_packed_kernels.log" | grep -v "^SKIPPED" | tail -25 || rc=1
@@ -238,11 +238,7 @@ if [ "$phase" = pk1 ]; then
       -k "not fa4 and not fa2" 2>&1 | tee "$OUT/pytest_pk1.log" | grep -v "^SKIPPED" | tail -25 || rc=1
 fi
 if [ "$phase" = pk2 ]; then
-  step "install flash-attn 2 from .fa2/"
-  if ls .fa2/flash_attn-*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-deps --no-index --no-compile .fa2/flash_attn-*.whl 2>&1 | tail -3
-  fi
-  $PY -c "import flash_attn, flash_attn_2_cuda; print('flash-attn', flash_attn.__version__)" 2>&1 || rc=1
+  install_fa2
   step "GPU tests: fa4 varlen (segments), fa4/fa2 kernels, autocast"
   timeout 220 $PY -m pytest tests/test_gpu_segments.py tests/test_gpu_kernels.py tests/test_gpu_autocast.py \
       tests/test_kernel_adapters.py -q -rs -n 8 -p no:cacheprovider -k "fa4 or fa2 or auto" 2>&1 \
