@@ -124,18 +124,6 @@ def test_fa2_batch_rows_joined_and_missing_varlen_functions():
                     segments=((0, 4, 10), (0, 3, 12)))
 
 
-def test_fa2_one_segment_takes_the_plain_path():
-    """One segment never reaches the varlen functions (the stand-in's plain path is used)."""
-    m = fake_fa2_varlen("split")
-    m._flash_attn_varlen_forward = None
-    k = FA2Kernel(module=m)
-    q, kk, v, _, _ = inputs(((0, 10), (0, 12)), 2, 1, 16, torch.float64, 5.0)
-    kw = dict(scale=0.25, softcap=5.0, window=(None, 0))
-    a = k.forward(q, kk, v, **kw)
-    b = k.forward(q, kk, v, segments=((0, 10), (0, 12)), **kw)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-
-
 def test_fa2_probe_checks_varlen_for_packed_specs(monkeypatch):
     monkeypatch.setattr("cp_softcap.kernels.fa2.cuda_arch", lambda: 90)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -244,13 +232,24 @@ def test_fa4_varlen_dlse_and_float32_out():
         assert g.shape == w.shape and rel_err(g, w) < 1e-5
 
 
-def test_fa4_one_segment_takes_the_dense_path():
+def _no_varlen_fa2():
+    m = fake_fa2_varlen("split")
+    m._flash_attn_varlen_forward = None            # one segment must never reach it
+    return FA2Kernel(module=m)
+
+
+def _fa4():
     from cp_softcap.kernels.fa4 import FA4Kernel
-    m = fake_fa4()
-    fa4 = FA4Kernel(module=m)
+    return FA4Kernel(module=fake_fa4())
+
+
+@pytest.mark.parametrize("make", [_no_varlen_fa2, _fa4], ids=["fa2", "fa4"])
+def test_one_segment_takes_the_unsegmented_path(make):
+    """One segment is the ordinary call: same result, no varlen tensors built."""
+    kern = make()
     q, kk, v, _, _ = inputs(((0, 10), (0, 12)), 2, 1, 16, torch.float64, 5.0)
     kw = dict(scale=0.25, softcap=5.0, window=(None, 0))
-    a = fa4.forward(q, kk, v, **kw)
-    b = fa4.forward(q, kk, v, segments=((0, 10), (0, 12)), **kw)
+    a = kern.forward(q, kk, v, **kw)
+    b = kern.forward(q, kk, v, segments=((0, 10), (0, 12)), **kw)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    assert fa4._varlen._cache == {}, "one segment must not build varlen tensors"
+    assert kern._varlen._cache == {}, "one segment must not build varlen tensors"

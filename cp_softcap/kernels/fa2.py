@@ -35,7 +35,7 @@ import torch
 
 from ..spec import Window
 from ._common import (VarlenCache, common_cuda_reason, cuda_arch, fa2_lse, fa_backward_empty,
-                      fa_forward_empty, fa_window, missing_params, softcap_value, tokens as _tokens,
+                      fa_forward_empty, fa_window, missing_params, softcap_value, tokens,
                       try_import, varlen_lse_in)
 from .base import Capabilities, Kernel, check_segments
 
@@ -163,7 +163,7 @@ class FA2Kernel(Kernel):
         cu_q, cu_k, max_q, max_k = packed
         fwd = self._mod._flash_attn_varlen_forward
         b, sq = q.shape[:2]
-        qs, ks, vs = (_tokens(t) for t in (q, k, v))
+        qs, ks, vs = (tokens(t) for t in (q, k, v))
         if self._family == "split":      # custom ops since 2.7: positional, documented order
             left, right = fa_window(window)
             res = fwd(qs, ks, vs, cu_q, cu_k, max_q, max_k, 0.0, scale, False, left, right, cap,
@@ -233,11 +233,11 @@ class FA2Kernel(Kernel):
         """Packed backward: lse_in [B, H, Sq] (+inf for empty rows) goes in as [H, B * Sq];
         gradients are written into [B * S, H, D] buffers and returned as [B, S, H, D]."""
         cu_q, cu_k, max_q, max_k = packed
-        qs, ks, vs = (_tokens(t) for t in (q, k, v))
+        qs, ks, vs = (tokens(t) for t in (q, k, v))
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (qs, ks, vs))
         bwd = self._mod._flash_attn_varlen_backward
         lse_t = varlen_lse_in(lse_in)
-        args = (_tokens(dout), qs, ks, vs, _tokens(out), lse_t, dq, dk, dv, cu_q, cu_k, max_q, max_k)
+        args = (tokens(dout), qs, ks, vs, tokens(out), lse_t, dq, dk, dv, cu_q, cu_k, max_q, max_k)
         if self._family == "split":
             left, right = fa_window(window)
             bwd(*args, 0.0, scale, False, left, right, softcap_value(softcap), None, det, None)
