@@ -15,6 +15,7 @@ from typing import Callable, Dict, Iterable, NamedTuple, Optional, Tuple
 import torch
 
 from ..spec import Window
+from .base import check_segments
 
 
 def fa2_lse(lse: torch.Tensor) -> torch.Tensor:
@@ -140,6 +141,15 @@ class VarlenCache:
     def __init__(self, size: int = 256):
         self._size = size
         self._cache: Dict[tuple, Varlen] = {}
+
+    def for_call(self, segments, q: torch.Tensor, k: torch.Tensor, kernel: str) -> Optional[Varlen]:
+        """The varlen tensors of a call q [B, Sq, ...] x k [B, Sk, ...] with several segments
+        (checked against Sq and Sk, ValueError naming `kernel` otherwise); None for no segments
+        or one (the ordinary call)."""
+        segs = check_segments(segments, q.shape[1], k.shape[1], kernel)
+        if segs is None or segs.single():
+            return None
+        return self.get(segs, q.shape[0], q.device)
 
     def get(self, segs, batch: int, device) -> Varlen:
         key = (tuple(segs), batch, str(device))

@@ -37,7 +37,7 @@ from ..spec import Window
 from ._common import (VarlenCache, common_cuda_reason, cuda_arch, fa2_lse, fa_backward_empty,
                       fa_forward_empty, fa_window, missing_params, softcap_value, tokens,
                       try_import, varlen_lse_in)
-from .base import Capabilities, Kernel, check_segments
+from .base import Capabilities, Kernel
 
 _MODULE = "flash_attn.flash_attn_interface"
 _COMMON = ("dropout_p", "softmax_scale", "causal", "alibi_slopes")
@@ -151,13 +151,10 @@ class FA2Kernel(Kernel):
     def _packed(self, segments, q, k):
         """(cu_q, cu_k, max_q, max_k) over the B rows joined, for a call with several
         segments; None otherwise."""
-        segs = check_segments(segments, q.shape[1], k.shape[1], "fa2")
-        if segs is None or segs.single():
-            return None
-        reason = varlen_reason(self._mod, self._family)
-        if reason:
-            raise RuntimeError(reason)
-        return self._varlen.get(segs, q.shape[0], q.device)
+        packed = self._varlen.for_call(segments, q, k, "fa2")
+        if packed is not None and varlen_reason(self._mod, self._family):
+            raise RuntimeError(varlen_reason(self._mod, self._family))
+        return packed
 
     def _varlen_forward(self, q, k, v, packed, scale, cap, window):
         cu_q, cu_k, max_q, max_k = packed

@@ -38,7 +38,7 @@ import torch
 from ..spec import Window
 from ._common import (VarlenCache, common_cuda_reason, cuda_arch, empty_result, fa2_lse,
                       missing_params, tokens, try_import, varlen_lse_in)
-from .base import Capabilities, Kernel, check_segments
+from .base import Capabilities, Kernel
 from .fa4_softcap import IMPLS, softcap_kwargs
 
 _MODULE = "flash_attn.cute.interface"
@@ -151,7 +151,7 @@ class FA4Kernel(Kernel):
         kw = dict(causal=False, window_size_left=left, window_size_right=right, return_lse=True,
                   **softcap_kwargs(self.softcap_impl, cuda_arch(q.device), scale, softcap,
                                    backward=False))
-        packed = self._packed(segments, q, k)
+        packed = self._varlen.for_call(segments, q, k, "fa4")
         if packed is None:
             res = mod._flash_attn_fwd(q, k, v, **kw)
             return res[0], res[1]
@@ -167,13 +167,6 @@ class FA4Kernel(Kernel):
         if mod is None:
             raise RuntimeError(self._import_reason)
         return mod
-
-    def _packed(self, segments, q, k):
-        """The varlen tensors of a call with several segments; None for one or none."""
-        segs = check_segments(segments, q.shape[1], k.shape[1], "fa4")
-        if segs is None or segs.single():
-            return None
-        return self._varlen.get(segs, q.shape[0], q.device)
 
     def prepare_backward(self, dout, out, dlse, dtype):
         """Once per row set, for callers that run many chunk-pair backwards on the same rows
@@ -199,7 +192,7 @@ class FA4Kernel(Kernel):
                   deterministic=torch.are_deterministic_algorithms_enabled(),
                   **softcap_kwargs(self.softcap_impl, cuda_arch(q.device), scale, softcap,
                                    backward=True))
-        packed = self._packed(segments, q, k)
+        packed = self._varlen.for_call(segments, q, k, "fa4")
         if packed is None:
             return tuple(mod._flash_attn_bwd(
                 q, k, v, out_k, dout_k, lse.float().contiguous(),
