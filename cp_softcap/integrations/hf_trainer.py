@@ -333,15 +333,20 @@ class CPTrainerMixin:
         mode = self.args.include_num_input_tokens_seen
         if mode == "no":
             return
-        ids = inputs["input_ids"]
-        real = real_tokens(inputs, self.cp_rank)
         pad_id = getattr(self.processing_class, "pad_token_id", None)
-        if mode == "non_padding" and pad_id is not None:
-            real = real & (ids != pad_id)
+        self.state.num_input_tokens_seen += self.global_real_tokens(
+            inputs, pad_id if mode == "non_padding" else None)
+
+    def global_real_tokens(self, inputs, pad_id=None) -> int:
+        """Tokens of every dp group's batch, summed over the world (each token lives on one CP
+        rank): not the packed layout's end padding, nor `pad_id` tokens when given."""
+        real = real_tokens(inputs, self.cp_rank)
+        if pad_id is not None:
+            real = real & (inputs["input_ids"] != pad_id)
         count = real.sum().to(device=self.args.device, dtype=torch.int64)
         if dist.is_initialized() and self.args.world_size > 1:
             dist.all_reduce(count)
-        self.state.num_input_tokens_seen += int(count)
+        return int(count)
 
     def get_total_train_batch_size(self, args) -> int:
         return self._train_batch_size * args.gradient_accumulation_steps * self.dp_size

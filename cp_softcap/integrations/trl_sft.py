@@ -36,7 +36,7 @@ except ImportError as e:
     raise ImportError("cp_softcap.integrations.trl_sft needs TRL: pip install 'trl==1.16.0' "
                       "(or pip install -e \".[sft]\")") from e
 
-from .hf_trainer import CPTrainerMixin, cp_mesh, real_tokens
+from .hf_trainer import CPTrainerMixin, cp_mesh
 
 __all__ = ["CPSFTTrainer", "cp_mesh"]
 
@@ -87,10 +87,7 @@ class CPSFTTrainer(CPTrainerMixin, SFTTrainer):
             out = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                        num_items_in_batch=num_items_in_batch)
         if training:
-            count = real_tokens(inputs, self.cp_rank).sum().to(torch.int64)
-            if self.args.world_size > 1:
-                dist.all_reduce(count)
-            self._total_train_tokens = before + int(count)
+            self._total_train_tokens = before + self.global_real_tokens(inputs)
             self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
         return out
 
