@@ -10,8 +10,8 @@ runs `cps.cp_attention` forward and backward for comm = ring, all_gather, a2a an
 a2a groups of 2 and 4 from `cps.make_hybrid_groups`), each pass under its own
 `cp_softcap.transport.counting()`. Every rank returns its ByteCounter.sent (bytes per op name); the
 table shows the busiest rank (largest fwd+bwd) and the mean over ranks, next to the analytical
-`cp_softcap.cp.auto.bytes_per_rank` (the busiest rank's total; a2a+p2p via a2a_size=), and
-checks every op of every rank, fwd and bwd, against `cp_softcap.cp.auto.sent_per_rank`.
+`cp_softcap.comm_model.bytes_per_rank` (the busiest rank's total; a2a+p2p via a2a_size=), and
+checks every op of every rank, fwd and bwd, against `cp_softcap.comm_model.sent_per_rank`.
 
 STAND-IN KERNEL. Real softcapped attention at these shapes takes hours on 2 CPU cores, and the
 bytes a CP scheme sends do not depend on tensor values; of the kernel they depend only on the
@@ -154,18 +154,18 @@ def partial_bytes():
 
 
 def model_total(comm, a2a, s, window):
-    """(bytes, how): the busiest rank's fwd+bwd total from cp_softcap.cp.auto.bytes_per_rank
+    """(bytes, how): the busiest rank's fwd+bwd total from cp_softcap.comm_model.bytes_per_rank
     (a2a+p2p through its a2a_size= entry)."""
-    from cp_softcap.cp.auto import bytes_per_rank
+    from cp_softcap.comm_model import bytes_per_rank
     costs = bytes_per_rank(_spec(CP, window=window, comm=comm), s, a2a_size=a2a,
                            partial_bytes=partial_bytes())
     return costs.get(comm), "bytes_per_rank" + (f"(a2a_size={a2a})['a2a+p2p']" if a2a else f"[{comm!r}]")
 
 
 def model_ops(comm, a2a, s, window):
-    """Every rank's modelled bytes per op (cp_softcap.cp.auto.sent_per_rank), as
+    """Every rank's modelled bytes per op (cp_softcap.comm_model.sent_per_rank), as
     {"fwd": {op: bytes}, "bwd": {...}} per rank, split by the op names' .fwd./.bwd."""
-    from cp_softcap.cp.auto import sent_per_rank
+    from cp_softcap.comm_model import sent_per_rank
     per = sent_per_rank(_spec(CP, window=window, comm=comm), s, comm, a2a_size=a2a,
                         partial_bytes=partial_bytes())
     return [{ph: {op: b for op, b in ops.items() if f".{ph}." in op} for ph in ("fwd", "bwd")}
@@ -331,7 +331,7 @@ def main():
             "scaling": (f"S={s_big} measured at D={d_small}, bytes x{f}; exactness verified at S={s_small} "
                         f"(D={D_REAL} vs D={d_small}, every op of every rank)"),
             "busiest": "rank with the largest fwd+bwd total; ops_max_over_ranks is per op",
-            "analytical": ("cp_softcap.cp.auto.bytes_per_rank (busiest rank's total; a2a+p2p via a2a_size=) "
+            "analytical": ("cp_softcap.comm_model.bytes_per_rank (busiest rank's total; a2a+p2p via a2a_size=) "
                            "and sent_per_rank (every op of every rank, checked exactly), with "
                            "partial_bytes= the stand-in's partial dtype bytes"),
             "quick": a.quick, "wall_s": wall, "code_version": _code_version(),

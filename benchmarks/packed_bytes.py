@@ -1,4 +1,4 @@
-"""Bytes sent per rank per layer for PACKED streams: the byte model (cp_softcap/cp/auto.py with
+"""Bytes sent per rank per layer for PACKED streams: the byte model (cp_softcap/comm_model.py with
 documents=, checked equal to counted bytes by tests_dist/test_packed_cp.py) on the document mixes
 of benchmarks/packing_balance.py. Host arithmetic only (no kernels, no GPU).
 
@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._util import OUT_DIR_HELP, out_dir_for, save, table  # noqa: E402
 from benchmarks.packing_balance import mix  # noqa: E402
-from cp_softcap.cp.auto import bytes_per_rank, choose_comm  # noqa: E402
+from cp_softcap.comm_model import bytes_per_rank, choose_comm  # noqa: E402
 from cp_softcap.documents import packed_layout  # noqa: E402
 from cp_softcap.settings import ring_block_keys  # noqa: E402
 from cp_softcap.spec import make_spec  # noqa: E402

@@ -8,7 +8,7 @@ compute" until several GPUs are lent to measure it.
     python benchmarks/scaling_model.py --quick              # a few rows: checks the script
 
 Compute. A ring rank's kernel calls cost f x area / rate: area = each call's visible (query,
-key) pairs (the calls the library makes: layout / doc_geometry through cp/calls.py), rate = the
+key) pairs (the calls the library makes: layout / doc_geometry through calls.py), rate = the
 full-attention pairs per ms of cp_sim's one-GPU full_ms (same heads and mode; log-linear in S
 between measured S, held beyond), f = cp_sim's measured ring-rank time / its pairs' time at the
 same local length S/cp (short calls, merges, adds; held at the nearest measured S/cp outside
@@ -17,9 +17,9 @@ same local length S/cp (short calls, merges, adds; held at the nearest measured 
 all_gather's calls take f too; a2a's one whole-sequence call per rank takes f = 1. Packed: area
 of same-document pairs, all_gather's busiest rank = mean x the layout's imbalance. Backward =
 fwd+bwd - fwd.
-Bytes. cp_softcap.cp.auto.sent_per_rank (the model comm="auto" uses, equal to counted bytes),
+Bytes. cp_softcap.comm_model.sent_per_rank (the model comm="auto" uses, equal to counted bytes),
 bf16 inputs, dK/dV partials in bf16 (flash-attn family); the ring's per-block split comes from
-the same geometry (cp/calls.py) and is checked to sum to the byte model.
+the same geometry (calls.py) and is checked to sum to the byte model.
 Links. 8 GPUs per node over NVLink, --nvlink-gbs GB/s per GPU per direction; between nodes
 --ib-gbs GB/s per GPU (400 Gb/s NIC) per direction; a message to a peer in the node goes at the
 NVLink rate, one outside at the NIC rate, both at once; --latency-us per message. Collectives
@@ -51,8 +51,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cp_softcap.cp import calls as geo                              # noqa: E402
-from cp_softcap.cp.auto import choose_comm, sent_per_rank           # noqa: E402
+from cp_softcap import calls as geo                              # noqa: E402
+from cp_softcap.comm_model import choose_comm, sent_per_rank           # noqa: E402
 from cp_softcap.layout import ring_blocks                          # noqa: E402
 from cp_softcap.spec import make_spec                              # noqa: E402
 from benchmarks._util import OUT_DIR_HELP, RESULTS, bar_plot, out_dir_for, save, table  # noqa: E402
@@ -362,7 +362,7 @@ def predict(model: str, n: int, s: int, layout: str, kt: KernelTimes, links: Lin
 
 
 def _kv_heads(hq: int, hkv: int, a: int) -> int:
-    from cp_softcap.cp.a2a import kv_head_index
+    from cp_softcap.heads import kv_head_index
     return len(kv_head_index(hq, hkv, a)[0])
 
 

@@ -6,7 +6,7 @@
 """
 from . import sharding
 from .api import CPAttention, attention, cp_attention
-from .cp.a2a_p2p import make_hybrid_groups
+from .groups import make_hybrid_groups
 from .selector import Selection, select
 from .spec import AttnSpec, make_spec
 

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from .cp.a2a import heads_divide
+from .heads import heads_divide
 from .selector import select
 from .spec import COMM_TYPES, make_spec
 
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     print(f"spec: {spec.describe()}")
     print(sel.table())
     if a.cp > 1 and a.seq_len:
-        from .cp.auto import describe_comm_choice
+        from .comm_model import describe_comm_choice
         try:
             print(describe_comm_choice(spec, a.seq_len, a2a_size=a.a2a_size,
                                        partial_bytes=sel.kernel.partial_dtype(spec.dtype).itemsize))

@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 
 from . import settings
-from .cp.a2a import check_heads, kv_head_index, query_head_index
-from .cp.a2a_p2p import hybrid_groups, hybrid_rank
-from .cp.auto import choose_comm
-from .cp.calls import ring_members
+from .calls import ring_members
+from .comm_model import choose_comm
 from .documents import PackedLayout
 from .export import refuse_cp
+from .groups import hybrid_groups, hybrid_rank
+from .heads import check_heads, kv_head_index, query_head_index
 from .kernels.base import Kernel
 from .layout import ring_blocks
 from .selector import select

@@ -1,4 +1,4 @@
-"""The bytes-per-rank model behind comm="auto" (cp/auto.py): closed forms for the ring under
+"""The bytes-per-rank model behind comm="auto" (comm_model.py): closed forms for the ring under
 causal zigzag, the windowed ring, all_gather, a2a and a2a+p2p, the busiest-rank total, the
 choice, the select CLI, and ring dK/dV returned in the kernel's 16-bit partial dtype
 (partial_bytes=) for exclusive blocks. tests_dist/test_comm_model_dist.py checks the model against
@@ -6,7 +6,7 @@ transport.counting() on real gloo ranks; benchmarks/comm_bytes.py at Gemma2-9B s
 import pytest
 import torch
 
-from cp_softcap.cp.auto import bytes_per_rank, choose_comm, describe_comm_choice, sent_per_rank
+from cp_softcap.comm_model import bytes_per_rank, choose_comm, describe_comm_choice, sent_per_rank
 from cp_softcap.layout import block_exclusive, key_range, ring_blocks
 from cp_softcap.spec import make_spec
 

@@ -3,7 +3,7 @@ model, infinite links leave only compute, slow links expose communication, auto'
 import pytest
 
 from benchmarks import scaling_model as sm
-from cp_softcap.cp.auto import sent_per_rank
+from cp_softcap.comm_model import sent_per_rank
 from cp_softcap.spec import make_spec
 
 

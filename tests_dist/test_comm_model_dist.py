@@ -1,4 +1,4 @@
-"""cp/auto.py's byte model == what the transport counts (transport.counting()) on real gloo ranks:
+"""comm_model.py's byte model == what the transport counts (transport.counting()) on real gloo ranks:
 every op of every rank, forward and backward, for ring (causal, windows narrower than / crossing
 a chunk, two-sided, no mask; one step per block and default blocks), all_gather, a2a (with KV
 heads replicated) and a2a+p2p. Tiny shapes, the real kernels. NATIVE_CASES run the same with a
@@ -69,7 +69,7 @@ def _worker(rank, world, cases, native):
 @pytest.mark.parametrize("block_keys", ["0", "16384"])
 @pytest.mark.parametrize("native", [False, True], ids=["float32_partials", "native_partials"])
 def test_model_equals_counted_bytes(block_keys, native):
-    from cp_softcap.cp.auto import bytes_per_rank, sent_per_rank
+    from cp_softcap.comm_model import bytes_per_rank, sent_per_rank
     from cp_softcap.spec import make_spec
     cases = NATIVE_CASES if native else CASES
     measured = run_ranks(_worker, CP, cases, native, env={"CP_SOFTCAP_RING_BLOCK_KEYS": block_keys})

@@ -264,7 +264,7 @@ def _count_bytes(rank, world, cu, s, hybrid, native):
 
 
 def test_byte_model_equals_counted_bytes():
-    """cp/auto.py's model with documents= == the bytes each rank counted, op by op (cp 4)."""
+    """comm_model.py's model with documents= == the bytes each rank counted, op by op (cp 4)."""
     from cp_softcap.sharding import layout_for
     world = 4
     cu, s, _ = _cases(world)[0]
@@ -275,7 +275,7 @@ def test_byte_model_equals_counted_bytes():
 
 
 def _compare_bytes(measured, block_keys, layout, world):
-    from cp_softcap.cp.auto import bytes_per_rank, sent_per_rank
+    from cp_softcap.comm_model import bytes_per_rank, sent_per_rank
     from cp_softcap.spec import make_spec
     for i, (comm, a2a, causal, window, nat, dtype) in enumerate(BYTE_CASES):
         spec = make_spec(head_dim=8, num_heads=4, num_kv_heads=2, dtype=dtype, device_type="cpu",

@@ -22,48 +22,18 @@ heads use (GQA models with Hkv < cp keep working); gradients of replicas are sum
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..calls import backward_into, stream_order, write_calls
 from ..doc_geometry import stream_calls
 from ..merge import new_accumulator
 from ..spec import grad_dtype
 from ..transport import all_to_all
-from .calls import backward_into, stream_order, write_calls
 from .grad_accum import GradAccumulator
 from .guard import guarded
-
-
-def heads_divide(num_heads: int, ranks: int) -> bool:
-    """The all-to-all gives each of `ranks` ranks the same number of query heads."""
-    return num_heads % ranks == 0
-
-
-def check_heads(hq: int, inner: int, rank: int, comm: str = "a2a") -> None:
-    if not heads_divide(hq, inner):
-        fix = ("a smaller a2a group (make_hybrid_groups(group, a2a_size) with a2a_size dividing "
-               f"{hq})" if comm == "a2a+p2p" else "comm='a2a+p2p' with a smaller inner group")
-        raise ValueError(f"comm={comm!r} needs the query head count divisible by the all-to-all group "
-                         f"size: {hq} heads, group of {inner} (rank {rank}); use comm='ring' or "
-                         f"comm='all_gather', or {fix}")
-
-
-def query_head_index(hq: int, ranks: int) -> List[List[int]]:
-    per = hq // ranks
-    return [list(range(j * per, (j + 1) * per)) for j in range(ranks)]
-
-
-def kv_head_index(hq: int, hkv: int, ranks: int) -> List[List[int]]:
-    """KV heads each rank needs, so that local query head i uses local KV head i // (hq/ranks/len)."""
-    per_q, group = hq // ranks, hq // hkv
-    if hkv % ranks == 0:
-        per = hkv // ranks
-        return [list(range(j * per, (j + 1) * per)) for j in range(ranks)]
-    if group % per_q == 0:             # every local query head shares one KV head
-        return [[(j * per_q) // group] for j in range(ranks)]
-    return [[(j * per_q + i) // group for i in range(per_q)] for j in range(ranks)]
 
 
 def _order(recv: torch.Tensor, zigzag: bool = True) -> torch.Tensor:

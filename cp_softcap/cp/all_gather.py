@@ -24,7 +24,7 @@ from ..layout import plan_pair
 from ..merge import new_accumulator
 from ..spec import grad_dtype
 from ..transport import all_gather, reduce_scatter, wait
-from .calls import backward_into, stream_order, write_calls
+from ..calls import backward_into, stream_order, write_calls
 from .grad_accum import GradAccumulator
 from .guard import shard_function
 from .packing import pack, unpack

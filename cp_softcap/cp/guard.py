@@ -27,6 +27,7 @@ from contextlib import ExitStack
 import torch
 import torch.distributed as dist
 
+from ..plan import VALID_INPUTS, signature
 from ..transport import Call, check_agreement, digest, in_call
 
 DOUBLE_BACKWARD = (
@@ -59,7 +60,6 @@ def _next_seq(plan) -> int:
 def _rows(plan) -> tuple:
     """(signature rows, their digest), once per plan."""
     if plan not in _ROWS:
-        from ..plan import VALID_INPUTS, signature    # plan.py imports this package
         rows = (VALID_INPUTS,) + signature(plan)
         _ROWS[plan] = (rows, digest(rows))
     return _ROWS[plan]

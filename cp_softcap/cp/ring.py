@@ -23,7 +23,7 @@ from flash-attn): widening at the owner gives the same sum as sending a float32 
 the bytes. Other blocks return float32 sums. Gradients are cast to the input dtype once.
 
 Packed documents (plan.zigzag.documents, docs/packing.md): the same steps and blocks on the
-packed layout, with the geometry of doc_geometry (through cp/calls.py): a member sends only the
+packed layout, with the geometry of doc_geometry (through calls.py): a member sends only the
 key ranges the receiver's queries see in the same document (several ranges travel back to back
 in one message), peers with no visible same-document key exchange nothing, calls may hold
 several documents (segments), and dK/dV go back over the same ranges, in the kernel's dtype
@@ -40,7 +40,7 @@ import torch
 from ..merge import merge_into, new_accumulator
 from ..spec import grad_dtype
 from ..transport import Exchange
-from . import calls as geo
+from .. import calls as geo
 from .grad_accum import GradAccumulator
 from .guard import shard_function
 

@@ -18,8 +18,8 @@ from typing import NamedTuple, Tuple
 
 import torch
 
-from .. import doc_geometry as dg
-from .. import layout as zz_layout
+from . import doc_geometry as dg
+from . import layout as zz_layout
 
 Ranges = Tuple[Tuple[int, int], ...]
 

@@ -38,7 +38,7 @@ the flash-attn family (caps.grads_in_input_dtype), g for the torch kernel; defau
       the a2a terms above on the inner group (cp -> a, same n), plus the ring terms of the outer
       ring: cp/a ranks, chunk a*c (blocks of ring_blocks(cp/a, a*n, block_keys)), Hq/a query and
       hk KV heads per rank; busiest rank total.
-Packed documents (documents= a PackedLayout, cp/calls.py): the ring terms use the document
+Packed documents (documents= a PackedLayout, calls.py): the ring terms use the document
 geometry (doc_geometry.send_ranges per receiver; block_plan slots and block_exclusive per block;
 for a2a+p2p the ring's members are the a2a groups); all_gather and a2a move every token (n is
 the layout's local_len), so their terms are unchanged.
@@ -50,11 +50,11 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from ..layout import ring_blocks
-from ..settings import ring_block_keys
-from ..spec import AttnSpec, Window, check_zigzag_length
 from . import calls as geo
-from .a2a import heads_divide, kv_head_index
+from .heads import heads_divide, kv_head_index
+from .layout import ring_blocks
+from .settings import ring_block_keys
+from .spec import AttnSpec, Window, check_zigzag_length
 
 SINGLE_GROUP = ("ring", "all_gather", "a2a")      # what comm="auto" chooses among, tie order
 
@@ -87,7 +87,7 @@ def _ring(cp: int, chunk: int, window: Window, kv_e: int, kv_g: int, kv_p: int,
     """Per ring rank: bytes sent per op. kv_e / kv_g / kv_p: bytes of one key's K+V in the input
     / gradient / kernel partial dtype (all heads, whole batch). block_keys: as ring.py's
     settings.ring_block_keys() (None: read the setting, as the ring does). documents / ring: the
-    packed layout and the ring's members (cp/calls.py), whose geometry the ring runs on."""
+    packed layout and the ring's members (calls.py), whose geometry the ring runs on."""
     if block_keys is None:
         # with partials of the gradient's size the grouping into blocks changes no byte count,
         # so the environment is read only when it matters (as the ring reads it)
