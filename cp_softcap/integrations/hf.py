@@ -249,15 +249,3 @@ def register(name: str = NAME) -> None:
 
 
 register()
-
-
-_TRAINER_NAMES = ("CPTrainer", "CPTrainerMixin", "CPCollator", "cp_mesh", "shard_batch", "check_cp_model")
-
-
-def __getattr__(name: str):
-    """The HF Trainer API (cp_softcap.integrations.hf_trainer), loaded on first use: it imports
-    transformers.Trainer and accelerate, which plain attention users need not have."""
-    if name in _TRAINER_NAMES:
-        from . import hf_trainer
-        return getattr(hf_trainer, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
