@@ -19,6 +19,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..merge import merge
 from ..settings import sdpa_op
 from ..spec import Window
 from . import sdpa_cuda
@@ -165,7 +166,6 @@ class SdpaKernel(Kernel):
         return [(0, 0, sk - sq, False), (0, sk - sq, sk, True)]
 
     def _cuda_forward(self, q, k, v, scale, window):
-        from ..merge import merge
         b, sq, hq, _ = q.shape
         sk, g = k.shape[1], hq // k.shape[2]
         op, reason = self.cuda_op(q.dtype, q.shape[-1], v.shape[-1], q.device)
