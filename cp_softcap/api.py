@@ -1,8 +1,9 @@
 """The public entry points: `attention` (one device), `cp_attention` (context parallel, on this
 rank's zigzag shards) and `CPAttention` (the parameter-free layer for model code).
 
-Each call is resolved once into a plan (plan.py: validated spec, groups, kernel, algorithm);
-the plan is all the algorithms see. causal=True is the default everywhere: these are the
+Each call hands its arguments to the plan in one step (plan.py: every validation, the spec,
+groups, kernel and algorithm, or the one-device path: one kernel call, packed documents or the
+exportable math) and runs what the plan says; the plan is all the algorithms see. causal=True is the default everywhere: these are the
 layers of causal language models.
 """
 from __future__ import annotations
@@ -18,12 +19,12 @@ from .cp.a2a_p2p import A2AP2PAttention
 from .cp.all_gather import AllGatherAttention
 from .cp.guard import autocast_off
 from .cp.ring import RingAttention
-from .export import export_attention, is_exporting
-from .packed_local import (check_packed, packed_attention, save_for_local_backward,
-                           saved_for_local_backward, second_order_safe)
-from .plan import Backend, check_group, local_plan, plan_for, resolve_groups, spec_for
+from .export import export_attention
+from .packed_local import (packed_attention, save_for_local_backward, saved_for_local_backward,
+                           second_order_safe)
+from .plan import Backend, Plan, check_group, local_plan_for, plan_for
 from .selector import check_backend
-from .spec import check_comm, check_qkv, normalize_softcap, normalize_window
+from .spec import check_comm, normalize_softcap, normalize_window
 
 ALGORITHMS = {"ring": RingAttention, "all_gather": AllGatherAttention, "a2a": A2AAttention,
               "a2a+p2p": A2AP2PAttention}
@@ -78,25 +79,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: Opt
     a window therefore never crosses a document). Tokens past T_docs are padding: out 0, LSE
     -inf, zero gradients. One document over the whole stream is the unpacked call.
     """
-    check_qkv(q, k, v)
-    cu = None if cu_seqlens is None else check_packed(q, k, cu_seqlens)
-    packed = cu is not None and cu != (0, q.shape[1])
-    spec = spec_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
-                    return_lse=return_lse, documents=packed)
-    if packed:
-        if is_exporting():
-            raise ValueError("cu_seqlens= (packed documents) cannot be exported; export the "
-                             "model on unpacked inputs")
-        out, lse = packed_attention(q, k, v, local_plan(spec, backend), cu)
-        return (out, lse) if return_lse else out
-    if is_exporting():     # torch.onnx.export / torch.export: the torch kernel's math, plain ops
-        if backend not in ("auto", "torch"):
-            raise ValueError(f"backend={backend!r} cannot be exported; export traces the 'torch' "
-                             "kernel's math (cp_softcap.export): pass backend='auto' or 'torch'")
-        out, lse = export_attention(q, k, v, scale=spec.scale, softcap=spec.softcap, window=spec.window)
-        return (out, lse) if return_lse else out
-    out, lse = _LocalAttention.apply(q, k, v, local_plan(spec, backend))
+    plan = local_plan_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
+                          backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens)
+    out, lse = _one_device(q, k, v, plan)
     return (out, lse) if return_lse else out
+
+
+def _one_device(q, k, v, plan: Plan):
+    """(out, lse) of a one-device plan."""
+    if plan.comm == "packed":
+        return packed_attention(q, k, v, plan, plan.boundaries)
+    if plan.comm == "export":     # torch.onnx.export / torch.export: the torch kernel's math, plain ops
+        spec = plan.spec
+        return export_attention(q, k, v, scale=spec.scale, softcap=spec.softcap, window=spec.window)
+    return _LocalAttention.apply(q, k, v, plan)
 
 
 def _warn_if_several_ranks() -> None:
@@ -140,13 +136,11 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, 
     """
     if group is None:
         _warn_if_several_ranks()
-    groups, cp, rank = resolve_groups(group, comm)
-    if comm != "a2a+p2p" and cp == 1:
-        return attention(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
-                         backend=backend, cu_seqlens=cu_seqlens)
-    plan = plan_for(q, k, v, groups, cp, rank, softcap=softcap, causal=causal, window=window,
-                    scale=scale, comm=comm, backend=backend, cu_seqlens=cu_seqlens)
-    return ALGORITHMS[plan.comm].apply(q, k, v, plan)
+    plan = plan_for(q, k, v, group, softcap=softcap, causal=causal, window=window, scale=scale,
+                    comm=comm, backend=backend, cu_seqlens=cu_seqlens)
+    if plan.comm in ALGORITHMS:
+        return ALGORITHMS[plan.comm].apply(q, k, v, plan)
+    return _one_device(q, k, v, plan)[0]
 
 
 class CPAttention(torch.nn.Module):

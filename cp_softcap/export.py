@@ -4,8 +4,9 @@ Python-blocked loop. It materialises the [B, Hq, Sq, Sk] score matrix (fine for 
 for training). Same conventions as every kernel: softcap before masking, bottom-right aligned
 window, rows that see no key give out = 0 and lse = -inf.
 
-Context parallelism cannot be exported (its collectives are not graph ops): `refuse_cp` raises a
-ValueError that python -O keeps.
+Whether a call is being exported, and the refusals (context parallelism, packed documents, a
+forced non-torch kernel), are decided with the call's plan (plan.is_exporting, plan.refuse_cp):
+ValueErrors that python -O keeps.
 """
 from __future__ import annotations
 
@@ -16,27 +17,6 @@ import torch
 from .spec import Window, grad_dtype
 
 _NEG_INF = float("-inf")
-
-
-def is_exporting() -> bool:
-    """True inside torch.onnx.export (TorchScript or dynamo exporter) or torch.export tracing."""
-    try:
-        if torch.onnx.is_in_onnx_export():
-            return True
-    except Exception:  # pragma: no cover  (very old/new torch without the flag module)
-        pass
-    compiler = getattr(torch, "compiler", None)
-    fn = getattr(compiler, "is_exporting", None)
-    return bool(fn()) if fn is not None else False
-
-
-def refuse_cp(cp_size: int) -> None:
-    """Raise when an export traces a context-parallel call."""
-    if cp_size > 1 and is_exporting():
-        raise ValueError(f"cp_softcap: context-parallel attention (cp={cp_size}) cannot be exported "
-                         "(torch.onnx.export / torch.export): its point-to-point collectives are not "
-                         "graph ops. Export the model on one device: pass cp_group=None (CPAttention) "
-                         "or group=None (cp_attention) and full-length inputs, or call cps.attention.")
 
 
 def export_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,

@@ -17,20 +17,8 @@ from .calls import backward_into, write_calls
 from .cp.grad_accum import GradAccumulator
 from .cp.guard import autocast_off, refuse_second_order
 from .doc_geometry import stream_calls
-from .documents import PackedLayout, check_cu_seqlens
 from .kernels.torch_kernel import TorchKernel
 from .spec import grad_dtype
-
-
-def check_packed(q: torch.Tensor, k: torch.Tensor, cu_seqlens) -> Tuple[int, ...]:
-    """The validated boundaries of a packed single-device call (ValueError naming the fix). A
-    PackedLayout (what CP calls may pass) stands for its boundaries: one device has no layout."""
-    if isinstance(cu_seqlens, PackedLayout):
-        cu_seqlens = cu_seqlens.cu_seqlens
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f"cu_seqlens= (packed documents) needs q and k/v over the same stream: "
-                         f"q has {q.shape[1]} tokens, k/v have {k.shape[1]}")
-    return check_cu_seqlens(cu_seqlens, q.shape[1])
 
 
 def second_order_safe(kernel, grads: tuple, inputs: tuple) -> tuple:

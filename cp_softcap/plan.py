@@ -1,11 +1,15 @@
 """The plan of one attention call: everything decided once per call signature.
 
-`plan_for(q, k, v, group, ...)` validates the call and resolves it into a `Plan`: the validated
-AttnSpec, the process group(s) with this rank's CP size and rank, the selected kernel, the
-algorithm after comm='auto', and the zigzag / head geometry the algorithm runs on. Plans are
-cached per (group, call signature) in a WeakKeyDictionary on the group object, so a freed
-group takes its plans with it. The plan is the only thing that crosses into the algorithms:
-each autograd.Function takes (q, k, v, plan).
+api.py hands a call's arguments here in one step: `plan_for(q, k, v, group, ...)` (cp_attention)
+and `local_plan_for(q, k, v, ...)` (attention) validate everything (q/k/v, boundaries, group,
+export) and resolve the call into a `Plan`: the validated AttnSpec, the process group(s) with
+this rank's CP size and rank, the selected kernel, the algorithm after comm='auto' and the
+zigzag / head geometry it runs on, or for one device the path (one kernel call, packed
+documents, the exportable math). Plans are cached per (group, call signature) in a
+WeakKeyDictionary on the group object, so a freed group takes its plans with it; a call whose
+raw arguments were seen before gets its plan from a cache keyed on them (_call_key), without
+validating them, building the spec or reading settings again. The plan is the only thing that
+crosses into the algorithms: each autograd.Function takes (q, k, v, plan).
 
 Under CP the first call of a signature (every call with CP_SOFTCAP_CHECK_EVERY_CALL=1) compares
 `signature(plan)` across the ranks: every compared field of the plan and of its spec, so a new
@@ -16,6 +20,7 @@ rank fails at once with every rank's value instead of leaving its peers waiting.
 from __future__ import annotations
 
 import dataclasses
+import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple, Union
@@ -26,8 +31,7 @@ import torch.distributed as dist
 from . import settings
 from .calls import ring_members
 from .comm_model import choose_comm
-from .documents import PackedLayout
-from .export import refuse_cp
+from .documents import PackedLayout, check_cu_seqlens
 from .groups import hybrid_groups, hybrid_rank
 from .heads import check_heads, kv_head_index, query_head_index
 from .kernels.base import Kernel
@@ -83,10 +87,13 @@ class Plan:
     kernel: Optional[Kernel]                # None only while a failed plan is being compared
     ring_block_keys: Optional[int]          # None only while an invalid setting is compared
     layout: Union[None, PackedLayout, str] = None       # packed documents; str: why they are invalid
-    comm: str = _local(default="local")     # the algorithm after 'auto' (derived from the above)
+    # the algorithm after 'auto' (derived from the above); one device: 'local' (one kernel call),
+    # 'packed' (packed documents, packed_local.py) or 'export' (the exportable math, export.py)
+    comm: str = _local(default="local")
     rank: int = _local(default=0)           # CP rank: ring rank * a2a size + a2a rank for a2a+p2p
     zigzag: Optional[Zigzag] = _local(default=None)    # ring / all_gather / a2a+p2p's ring
     heads: Optional[Heads] = _local(default=None)      # a2a / a2a+p2p's all-to-all
+    boundaries: Optional[Tuple[int, ...]] = _local(default=None)   # comm='packed': validated cu
 
     @property
     def cp_size(self) -> int:
@@ -249,7 +256,7 @@ def spec_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap, caus
 
 def local_plan(spec: AttnSpec, backend: Backend = "auto") -> Plan:
     """The plan of a single-device call (cached per spec and backend)."""
-    key = (spec, backend, settings.planning_inputs())
+    key = (spec, backend, planning_inputs())
     plans = _PLANS.setdefault(_ONE_DEVICE, {})
     if key not in plans:
         kernel = select(spec, backend).kernel
@@ -257,19 +264,221 @@ def local_plan(spec: AttnSpec, backend: Backend = "auto") -> Plan:
     return plans[key]
 
 
-def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple, cp: int, rank: int,
+# ------------------------------------------------------------------ the public entry points
+
+def local_plan_for(q, k, v, *, softcap, causal, window, scale, backend: Backend,
+                   return_lse: bool = False, cu_seqlens=None) -> Plan:
+    """The plan of a one-device call (cps.attention): every argument validated, and what the
+    call runs decided: comm='local' (one kernel call), 'packed' (plan.boundaries) or 'export'."""
+    key = _call_key(q, k, v, ("local", backend), (softcap, causal, window, scale, return_lse),
+                    cu_seqlens)
+    hit = _recall(_ONE_DEVICE, key)
+    if hit is not None:
+        return hit[0]
+    plan = _one_device(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
+                       backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens)
+    if plan.comm != "export":
+        _memo(_ONE_DEVICE, key, plan, ())
+    return plan
+
+
+def plan_for(q, k, v, group, *, softcap, causal, window, scale, comm: str, backend: Backend,
+             cu_seqlens=None) -> Plan:
+    """The plan of cps.cp_attention on this rank's shards: the group resolved and every argument
+    validated (see the module docstring for the cross-rank check). A group of one rank (or None)
+    gives a one-device plan (local_plan_for's, without the LSE); otherwise plan.comm names the
+    algorithm. cu_seqlens: global document boundaries (or a PackedLayout), validated here;
+    invalid ones fail on every rank, after the signature exchange."""
+    root = _ONE_DEVICE if group is None else group
+    rest = ()
+    if type(group) in (tuple, list) and len(group) == 2:    # comm='a2a+p2p': (a2a, ring)
+        root, rest = group[0], (type(group), group[1])
+    key = _call_key(q, k, v, ("cp", comm, backend) + rest, (softcap, causal, window, scale),
+                    cu_seqlens) if _cacheable(root) else None
+    hit = _recall(root, key)
+    if hit is not None:
+        plan, groups = hit
+        if groups:
+            every_call = call_settings()[1]
+            if every_call is None:
+                settings.check_every_call()     # raises: an invalid CP_SOFTCAP_CHECK_EVERY_CALL
+            if every_call:
+                _compare(plan, groups, q.device)
+        return plan
+    groups, cp, rank = resolve_groups(group, comm)
+    if comm != "a2a+p2p" and cp == 1:
+        plan, groups = _one_device(q, k, v, softcap=softcap, causal=causal, window=window,
+                                   scale=scale, backend=backend, cu_seqlens=cu_seqlens), ()
+    else:
+        plan = _cp_plan(q, k, v, groups, cp, rank, softcap=softcap, causal=causal, window=window,
+                        scale=scale, comm=comm, backend=backend, cu_seqlens=cu_seqlens)
+    if plan.comm != "export":
+        _memo(root, key, plan, groups)
+    return plan
+
+
+# ------------------------------------------------------------------ the call's context
+#
+# A call whose raw arguments were seen before gets its plan from _CALLS without validating them
+# or building its spec again: the key holds everything validation and the spec depend on (the
+# tensors' shapes, dtypes and devices, whether a gradient is needed, the deterministic flag, the
+# options with their types, the boundaries' values, the raw planning variables). Calls that
+# cannot be keyed so (tensor subclasses, options of other types, a DeviceMesh, an export
+# trace) are planned in full every time, through the spec-keyed cache _PLANS.
+
+_CALLS: "weakref.WeakKeyDictionary[object, Dict[tuple, tuple]]" = weakref.WeakKeyDictionary()
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def _typed(x):
+    """x with its type (1 and True, 1.0 and 1 are different options), or None."""
+    t = type(x)
+    if t in _SCALARS:
+        return t, x
+    if (t is tuple or t is list) and len(x) == 2 and type(x[0]) in _SCALARS \
+            and type(x[1]) in _SCALARS:
+        return t, type(x[0]), x[0], type(x[1]), x[1]
+    return None
+
+
+def _cacheable(root) -> bool:
+    return root is _ONE_DEVICE or _is_group(root)
+
+
+def _call_key(q, k, v, call: tuple, options: tuple, cu_seqlens) -> Optional[tuple]:
+    """The raw call as a key of _CALLS, or None (see above)."""
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return None
+    typed = tuple(_typed(o) for o in options)
+    if None in typed or is_exporting():
+        return None
+    docs = None
+    if cu_seqlens is not None:
+        docs = cu_seqlens if isinstance(cu_seqlens, PackedLayout) else boundary_values(cu_seqlens)
+        if docs is None:
+            return None
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return (docs, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
+            v.device, grad, torch.are_deterministic_algorithms_enabled(), planning_inputs(),
+            call, typed)
+
+
+def _recall(root, key) -> Optional[tuple]:
+    if key is None:
+        return None
+    try:
+        return _CALLS[root].get(key)
+    except (KeyError, TypeError):       # TypeError: a backend that is no dict key
+        return None
+
+
+def _memo(root, key, plan: Plan, groups: tuple) -> None:
+    """Remember (plan, groups) for `key`; keys with boundaries (key[0]) are evicted oldest first
+    beyond MAX_PACKED_PLANS per group, as in _remember."""
+    if key is None:
+        return
+    calls = _CALLS.setdefault(root, {})
+    try:
+        calls[key] = (plan, groups)
+    except TypeError:
+        return
+    if key[0] is not None:
+        packed = [kk for kk in calls if kk[0] is not None]
+        for old in packed[:-MAX_PACKED_PLANS]:
+            del calls[old]
+
+
+def planning_inputs() -> Tuple[str, ...]:
+    """The raw values of the variables a call's plan depends on (settings.PLANNING; unvalidated:
+    a plan cache key; an invalid value is reported when the plan is built, after the ranks
+    compared plans)."""
+    return tuple(os.environ.get(name, "") for name in settings.PLANNING)
+
+
+_PER_CALL: Dict[tuple, tuple] = {}
+
+
+def call_settings() -> Tuple[Optional[float], Optional[bool]]:
+    """(CP_SOFTCAP_TIMEOUT, CP_SOFTCAP_CHECK_EVERY_CALL) as settings.py validates them, read at
+    call time and validated once per raw value; None for an invalid value (the settings function
+    raises it where the value is used)."""
+    raw = tuple(os.environ.get(name, "") for name in settings.PER_CALL)
+    if raw not in _PER_CALL:
+        values = []
+        for read in (settings.timeout_s, settings.check_every_call):
+            try:
+                values.append(read())
+            except ValueError:
+                values.append(None)
+        _PER_CALL[raw] = tuple(values)
+    return _PER_CALL[raw]
+
+
+def is_exporting() -> bool:
+    """True inside torch.onnx.export (TorchScript or dynamo exporter) or torch.export tracing."""
+    try:
+        if torch.onnx.is_in_onnx_export():
+            return True
+    except Exception:  # pragma: no cover  (very old/new torch without the flag module)
+        pass
+    compiler = getattr(torch, "compiler", None)
+    fn = getattr(compiler, "is_exporting", None)
+    return bool(fn()) if fn is not None else False
+
+
+def refuse_cp(cp_size: int) -> None:
+    """Raise when an export traces a context-parallel call."""
+    if cp_size > 1 and is_exporting():
+        raise ValueError(f"cp_softcap: context-parallel attention (cp={cp_size}) cannot be exported "
+                         "(torch.onnx.export / torch.export): its point-to-point collectives are not "
+                         "graph ops. Export the model on one device: pass cp_group=None (CPAttention) "
+                         "or group=None (cp_attention) and full-length inputs, or call cps.attention.")
+
+
+# ------------------------------------------------------------------ building a plan
+
+def check_packed(q: torch.Tensor, k: torch.Tensor, cu_seqlens) -> Tuple[int, ...]:
+    """The validated boundaries of a packed single-device call (ValueError naming the fix). A
+    PackedLayout (what CP calls may pass) stands for its boundaries: one device has no layout."""
+    if isinstance(cu_seqlens, PackedLayout):
+        cu_seqlens = cu_seqlens.cu_seqlens
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"cu_seqlens= (packed documents) needs q and k/v over the same stream: "
+                         f"q has {q.shape[1]} tokens, k/v have {k.shape[1]}")
+    return check_cu_seqlens(cu_seqlens, q.shape[1])
+
+
+def _one_device(q, k, v, *, softcap, causal, window, scale, backend: Backend,
+                return_lse: bool = False, cu_seqlens=None) -> Plan:
+    check_qkv(q, k, v)
+    cu = None if cu_seqlens is None else check_packed(q, k, cu_seqlens)
+    packed = cu is not None and cu != (0, q.shape[1])
+    spec = spec_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
+                    return_lse=return_lse, documents=packed)
+    if packed:
+        if is_exporting():
+            raise ValueError("cu_seqlens= (packed documents) cannot be exported; export the "
+                             "model on unpacked inputs")
+        return dataclasses.replace(local_plan(spec, backend), comm="packed", boundaries=cu)
+    if is_exporting():     # torch.onnx.export / torch.export: the torch kernel's math, plain ops
+        if backend not in ("auto", "torch"):
+            raise ValueError(f"backend={backend!r} cannot be exported; export traces the 'torch' "
+                             "kernel's math (cp_softcap.export): pass backend='auto' or 'torch'")
+        return Plan(spec, 0, 0, _backend_name(backend), None, None, comm="export")
+    return local_plan(spec, backend)
+
+
+def _cp_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple, cp: int, rank: int,
              *, softcap, causal, window, scale, comm: str, backend: Backend, cu_seqlens=None) -> Plan:
     """The plan of a context-parallel call on this rank's shards, for groups/cp/rank from
-    resolve_groups (cached per group and call signature; see the module docstring for the
-    cross-rank check). cu_seqlens: global document boundaries (or a PackedLayout), validated
-    here; invalid ones fail on every rank, after the signature exchange."""
+    resolve_groups (cached per group and call signature)."""
     _check_member(cp)
     where = f"CP rank {rank}"
     _check_inputs(q, k, v, cp, where, groups)
     spec = spec_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
                     cp_size=cp, comm=comm, documents=cu_seqlens is not None)
     layout, doc_error = _documents(cu_seqlens, q.shape[1], cp)
-    key = (spec, q.shape[0], q.shape[1], groups[1:], backend, settings.planning_inputs(), layout)
+    key = (spec, q.shape[0], q.shape[1], groups[1:], backend, planning_inputs(), layout)
     plans = _PLANS.setdefault(groups[0], {})
     plan = plans.get(key) if doc_error is None else None
     if plan is None:

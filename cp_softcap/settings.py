@@ -3,6 +3,10 @@
 Each function reads its variable at call time (so a test or a launcher may set it late) and
 raises ValueError naming the variable, the value and what is valid. README.md lists them in
 one table; keep the two in step.
+
+A warm call does not come here: plan.py keys its caches on the raw strings of the variables
+read per call (PLANNING: what a plan depends on; PER_CALL: what each call reads) and asks the
+functions below only for a value it has not seen.
 """
 from __future__ import annotations
 
@@ -15,17 +19,12 @@ DEFAULT_RING_BLOCK_KEYS = 32768     # measured best on H200 at 32K/128K, cp 4/8 
 SDPA_OPS: Tuple[str, ...] = ("cudnn", "flash", "efficient")
 
 
-_PLANNING = ("CP_SOFTCAP_BACKEND", "CP_SOFTCAP_FA3", "CP_SOFTCAP_RING_BLOCK_KEYS")
+PLANNING = ("CP_SOFTCAP_BACKEND", "CP_SOFTCAP_FA3", "CP_SOFTCAP_RING_BLOCK_KEYS")
+PER_CALL = ("CP_SOFTCAP_TIMEOUT", "CP_SOFTCAP_CHECK_EVERY_CALL")
 
 
 def _raw(name: str) -> str:
     return os.environ.get(name, "")
-
-
-def planning_inputs() -> Tuple[str, ...]:
-    """The raw values of the variables a call's plan depends on (unvalidated: a plan cache key;
-    an invalid value is reported when the plan is built, after the ranks compared plans)."""
-    return tuple(_raw(name) for name in _PLANNING)
 
 
 def _bad(name: str, raw: str, valid: str) -> ValueError:

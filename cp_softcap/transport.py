@@ -76,10 +76,13 @@ def count(op: str, tensor: torch.Tensor) -> None:
 @dataclass(frozen=True)
 class Call:
     """One CP call as its messages name it: the per-group sequence number, the direction and
-    the digest of the plan's signature (the same on every rank of a call made alike)."""
+    the digest of the plan's signature (the same on every rank of a call made alike), and the
+    CP_SOFTCAP_TIMEOUT its waits use (read when the forward or backward starts; None: read at
+    each wait, which raises for an invalid value)."""
     seq: int
     phase: str          # "forward" | "backward"
     digest: str
+    timeout: Optional[float] = None
 
     def tag(self, op: str) -> int:
         """A point-to-point tag for `op` in this call (31 bits: gloo's tags are C ints)."""
@@ -133,7 +136,8 @@ def wait(work, op: str, group, on: torch.Tensor, *, host: bool = False) -> None:
         except RuntimeError as e:
             raise RuntimeError(_timeout_message(op, group, None, e)) from e
         return
-    limit = timeout_s()
+    call = current_call()
+    limit = call.timeout if call is not None and call.timeout is not None else timeout_s()
     try:
         ok = work.wait(timedelta(seconds=limit))
     except RuntimeError as e:

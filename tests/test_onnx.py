@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import cp_softcap as cps
-from cp_softcap.export import export_attention, refuse_cp
+from cp_softcap.export import export_attention
+from cp_softcap.plan import refuse_cp
 from cp_softcap.testing import saturating_qkv
 
 onnx = pytest.importorskip("onnx")
@@ -82,7 +83,8 @@ def test_export_math_equals_torch_kernel(dtype, window, sq, sk):
 
 def test_forced_non_torch_backend_is_refused_under_export(monkeypatch):
     import cp_softcap.api as api
-    monkeypatch.setattr(api, "is_exporting", lambda: True)
+    import cp_softcap.plan as planning
+    monkeypatch.setattr(planning, "is_exporting", lambda: True)
     q, k, v, _ = saturating_qkv(1, 8, 8, 2, 2, 16, torch.float32, None, requires_grad=False)
     with pytest.raises(ValueError, match="backend='sdpa' cannot be exported"):
         cps.attention(q, k, v, backend="sdpa")
@@ -92,7 +94,7 @@ def test_forced_non_torch_backend_is_refused_under_export(monkeypatch):
 
 def test_refuse_cp_is_a_value_error_under_python_O():
     """refuse_cp raises ValueError (not an assert) while exporting, also with python -O."""
-    code = ("import torch, cp_softcap.export as e\n"
+    code = ("import torch, cp_softcap.plan as e\n"
             "torch.onnx.is_in_onnx_export = lambda: True\n"
             "e.refuse_cp(1)\n"
             "try:\n    e.refuse_cp(2)\nexcept ValueError as x:\n    print('OK', x)\n")

@@ -27,7 +27,7 @@ from contextlib import ExitStack
 import torch
 import torch.distributed as dist
 
-from ..plan import VALID_INPUTS, signature
+from ..plan import VALID_INPUTS, call_settings, signature
 from ..transport import Call, check_agreement, digest, in_call
 
 DOUBLE_BACKWARD = (
@@ -129,7 +129,7 @@ def guarded(function: type) -> type:
     forward, backward = function.forward, function.backward
 
     def guarded_forward(ctx, q, k, v, plan):
-        call = Call(_next_seq(plan), "forward", _rows(plan)[1])
+        call = Call(_next_seq(plan), "forward", _rows(plan)[1], call_settings()[0])
         ctx.cp_call = call
         with ExitStack() as stack:
             _precision(stack)
@@ -143,7 +143,7 @@ def guarded(function: type) -> type:
             # fails at once and the group stays usable (the CP inputs are not kept for backward,
             # so the gradients cannot be wired to them as on one device)
             raise RuntimeError(DOUBLE_BACKWARD)
-        call = Call(ctx.cp_call.seq, "backward", ctx.cp_call.digest)
+        call = Call(ctx.cp_call.seq, "backward", ctx.cp_call.digest, call_settings()[0])
         with ExitStack() as stack:
             _precision(stack)
             stack.enter_context(torch.no_grad())
