@@ -38,14 +38,18 @@
 #   bash scripts/gpu_check.sh pk1      # call 1, carry [".fa4a"]: flex compile probe (small packed
 #                                      #   geometries), GPU tests that need neither fa4 nor fa2
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh pk2
-#                                      # call 2, carry [".fa4b", ".fa2"]: installs flash-attn 2 too;
-#                                      #   fa4 varlen tests, every fa4/fa2 kernel, autocast and CP test
-#   bash scripts/gpu_check.sh pk3      # call 3 (same machine, nothing carried): packed kernels vs
-#                                      #   cuDNN, cp_sim --packed with fa4, cp_sim 27B profile
-#   bash scripts/gpu_check.sh train26  # ONE call, carry [".liger"] (scripts/stage_liger.sh), fa4 +
-#                                      #   fa2 installed: Liger vs our pieces, Gemma2 2b 8K train
-#                                      #   (eager, --compile, --pack), per-piece speed + top kernels,
-#                                      #   32K plan vs measured peak, HF attention impls, longest fit
+#                                      # call 2, carry [".fa4b"] (with .fa2 it is over the carry
+#                                      #   limit): fa4 varlen tests, every fa4 kernel, autocast, CP test
+#   bash scripts/gpu_check.sh pk3      # call 3 (same machine, carry [".fa2"]): installs flash-attn
+#                                      #   2; packed kernels vs cuDNN, cp_sim --packed with fa4, 27B
+#                                      #   per-call profile
+#   bash scripts/gpu_check.sh pk4      # call 4 (same machine): the fa2 kernel, autocast and CP tests
+#   bash scripts/gpu_check.sh train26  # carry [".liger"] (scripts/stage_liger.sh), fa4 + fa2
+#                                      #   installed: Liger vs our pieces, Gemma2 2b 8K train (eager,
+#                                      #   expandable segments, --compile, --pack), per-piece speed +
+#                                      #   top kernels at 8K and 4K
+#   bash scripts/gpu_check.sh train26b # next call, same machine: 32K plan vs measured peak, HF
+#                                      #   attention impls (4K), the longest sequence that fits
 # On a several-GPU kind, in this order (each is call 2 of a pair, after .fa4a's call 1):
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh nccl
 #                                      # CP tests over NCCL, one rank per GPU: every comm type,
@@ -68,7 +72,9 @@ cd "$(dirname "$0")/.."
 phase=${1:-all}
 OUT=${OUT:-/tmp/gpu_check_out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+# The repo root on the path: scripts run as subprocesses (train.py, speed.py) import cp_softcap
+# from the checkout, which the device machine does not pip-install.
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 dry=${GPU_CHECK_DRY:-0}
 rc=0
@@ -229,31 +235,34 @@ if [ "$phase" = native ]; then                  # after fa4 is installed
       --block-keys 32768 --profile --tag native_profile 2>&1 | grep -v USDT | tail -36 || rc=1
   cp $bench_out/cp_sim_native*.json $bench_out/cp_sim_native*.png "$OUT/" 2>/dev/null
 fi
+# pytest -v: each test's verdict is in the log as it finishes, so a run cut by its timeout still
+# names the failures; the tail shows the failures and the counts.
+verdicts() { grep -E "(FAILED|ERROR) |^E  .*(mismatch|Error)|[0-9]+ (passed|failed)" | cut -c1-300 | tail -${1:-40}; }
 if [ "$phase" = pk1 ]; then
   step "flex compile probe: small packed geometries, default vs forced main kernel"
   timeout 150 $PY scripts/flex_compile_probe.py 2>&1 | tail -40 || rc=1
   step "GPU tests without fa4/fa2: flex, sdpa, torch, merge, adapters, autocast, segments"
   timeout 280 $PY -m pytest tests/test_gpu_kernels.py tests/test_gpu_merge.py tests/test_kernel_adapters.py \
-      tests/test_gpu_autocast.py tests/test_gpu_segments.py -q -rs -n 8 -p no:cacheprovider \
-      -k "not fa4 and not fa2" 2>&1 | tee "$OUT/pytest_pk1.log" | grep -v "^SKIPPED" | tail -25 || rc=1
+      tests/test_gpu_autocast.py tests/test_gpu_segments.py -v -rf --tb=short -n 8 -p no:cacheprovider \
+      -k "not fa4 and not fa2" 2>&1 | tee "$OUT/pytest_pk1.log" | verdicts || rc=1
 fi
 if [ "$phase" = pk2 ]; then
-  install_fa2
-  step "GPU tests: fa4 varlen (segments), fa4/fa2 kernels, autocast"
-  timeout 220 $PY -m pytest tests/test_gpu_segments.py tests/test_gpu_kernels.py tests/test_gpu_autocast.py \
-      tests/test_kernel_adapters.py -q -rs -n 8 -p no:cacheprovider -k "fa4 or fa2 or auto" 2>&1 \
-      | tee "$OUT/pytest_pk2_kernels.log" | grep -v "^SKIPPED" | tail -30 || rc=1
+  step "GPU tests: fa4 varlen (segments), fa4 kernels, autocast"
+  timeout 300 $PY -m pytest tests/test_gpu_segments.py tests/test_gpu_kernels.py tests/test_gpu_autocast.py \
+      tests/test_kernel_adapters.py -v -rf --tb=short -n 8 -p no:cacheprovider -k "fa4 or auto" 2>&1 \
+      | tee "$OUT/pytest_pk2_kernels.log" | verdicts || rc=1
   step "GPU CP tests: packed and unpacked, every comm type, 2 and 4 ranks on one GPU"
-  timeout 330 $PY -m pytest tests/test_gpu_packed_cp.py tests/test_gpu_cp.py -q -rs -n 6 -p no:cacheprovider \
-      2>&1 | tee "$OUT/pytest_pk2_cp.log" | grep -v "^SKIPPED" | tail -30 || rc=1
+  timeout 280 $PY -m pytest tests/test_gpu_packed_cp.py tests/test_gpu_cp.py -v -rf --tb=short -n 6 \
+      -p no:cacheprovider -k "not fa2" 2>&1 | tee "$OUT/pytest_pk2_cp.log" | verdicts || rc=1
 fi
 if [ "$phase" = pk3 ]; then
+  install_fa2
   step "packed kernels: fa4 / fa2 / flex packed vs cuDNN dense causal of the same area (128K)"
-  timeout 260 $PY benchmarks/packed_kernels.py $bench_args --rep-ms 100 2>&1 | tail -30 || rc=1
+  timeout 200 $PY benchmarks/packed_kernels.py $bench_args --rep-ms 100 2>&1 | tail -30 || rc=1
   cp $bench_out/packed_kernels.json $bench_out/packed_kernels.png "$OUT/" 2>/dev/null
   for m in longtail short; do
     step "cp_sim --packed $m with fa4, 128K, cp 8"
-    timeout 140 $PY benchmarks/cp_sim.py $bench_args --packed $m --seqs 131072 --cps 8 --kernel fa4 \
+    timeout 100 $PY benchmarks/cp_sim.py $bench_args --packed $m --seqs 131072 --cps 8 --kernel fa4 \
         --rep-ms 60 --tag fa4 2>&1 | tail -8 || rc=1
     cp $bench_out/cp_sim_packed_${m}_fa4.json "$OUT/" 2>/dev/null
   done
@@ -265,6 +274,12 @@ if [ "$phase" = pk3 ]; then
       --per-call --tag percall_9b 2>&1 | tail -16 || rc=1
   cp $bench_out/cp_sim_profile_27b.json $bench_out/cp_sim_percall_9b.json "$OUT/" 2>/dev/null
 fi
+if [ "$phase" = pk4 ]; then                     # flash-attn 2 installed by pk3 on this machine
+  step "GPU tests with flash-attn 2: kernels, segments, autocast, packed and unpacked CP"
+  timeout 420 $PY -m pytest tests/test_gpu_segments.py tests/test_gpu_kernels.py tests/test_gpu_autocast.py \
+      tests/test_gpu_packed_cp.py tests/test_gpu_cp.py -v -rf --tb=short -n 8 -p no:cacheprovider -k fa2 \
+      2>&1 | tee "$OUT/pytest_pk4.log" | verdicts || rc=1
+fi
 if [ "$phase" = peers ]; then                   # one GPU, carry [".peers"] (scripts/stage_peers.sh); flash-attn 2 installed
   step "install ring-flash-attn and yunchang from .peers/"
   if ls .peers/*.whl >/dev/null 2>&1; then
@@ -274,18 +289,10 @@ if [ "$phase" = peers ]; then                   # one GPU, carry [".peers"] (scr
   timeout 540 $PY benchmarks/peers.py $bench_args 2>&1 | tail -90 || rc=1
   cp $bench_out/peers_N1.json $bench_out/peers_N1.png "$OUT/" 2>/dev/null
 fi
-if [ "$phase" = train26 ]; then                 # one GPU; carry [".liger"]; fa4 and fa2 installed
-  G=examples/gemma2; T=/tmp/train26; rm -rf $T; mkdir -p $T; log="$OUT/train26.log"
-  if [ "$dry" = 1 ]; then m=tiny; s8=256; s32=512; n=3; hf="--dry-run --steps 1"
-  else m=2b; s8=8192; s32=32768; n=6; hf=""; fi
-  step "install liger-kernel from .liger/"
-  if ls .liger/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-deps --no-index --no-compile .liger/*.whl 2>&1 | tail -3
-  fi
-  $PY -c "import sys; sys.path.insert(0, 'examples'); from gemma2 import fused; print('liger:', fused.liger_problem() or 'imports')" 2>&1 | tee -a "$log"
-  step "Liger's RMSNorm/GEGLU/RoPE/loss against ours in bf16; the FLOP formula against flop_counter"
-  timeout 240 $PY -m pytest tests/test_gemma2_liger.py tests/test_gemma2_flops.py -q -rs -p no:cacheprovider \
-      2>&1 | tee -a "$log" | tail -15 || rc=1
+if [ "$phase" = train26 ] || [ "$phase" = train26b ]; then   # one GPU; fa4 and fa2 installed
+  G=examples/gemma2; T=/tmp/$phase; rm -rf $T; mkdir -p $T; log="$OUT/$phase.log"
+  if [ "$dry" = 1 ]; then m=tiny; s4=128; s8=256; s32=512; n=3; hf="--dry-run --steps 1"
+  else m=2b; s4=4096; s8=8192; s32=32768; n=6; hf="--seq-len 4096"; fi   # HF at 8K: over 80 GB
   run26() {   # name, time limit, train.py flags: metrics to $T/name.jsonl
     local name=$1 lim=$2; shift 2
     step "train.py $name: $*"
@@ -293,12 +300,27 @@ if [ "$phase" = train26 ]; then                 # one GPU; carry [".liger"]; fa4
         2>&1 | tee -a "$log" | grep -v "^step " | tail -5 || rc=1
     tail -1 "$T/$name.jsonl" 2>/dev/null
   }
-  run26 8k 150 --seq-len $s8 --max-steps $n
-  run26 8k_compile 240 --seq-len $s8 --max-steps $n --compile
-  run26 8k_pack 150 --seq-len $s8 --max-steps $n --pack
-  step "speed.py at $s8 tokens: each Liger piece on and off, then the top kernels"
-  timeout 150 $PY $G/speed.py --config $m --seq-len $s8 --batch-size 1 --no-progress --json "$T/speed.jsonl" \
-      --profile-table "$OUT/profile26.txt" 2>&1 | tee -a "$log" | tail -40 || rc=1
+fi
+if [ "$phase" = train26 ]; then                 # call 1 of 2: carry [".liger"]
+  step "install liger-kernel from .liger/"
+  if ls .liger/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-deps --no-index --no-compile .liger/*.whl 2>&1 | tail -3
+  fi
+  $PY -c "import sys; sys.path.insert(0, 'examples'); from gemma2 import fused; print('liger:', fused.liger_problem() or 'imports')" 2>&1 | tee -a "$log"
+  step "Liger's RMSNorm/GEGLU/RoPE/loss against ours in bf16; the FLOP formula against flop_counter"
+  timeout 150 $PY -m pytest tests/test_gemma2_liger.py tests/test_gemma2_flops.py -q -rf -p no:cacheprovider \
+      2>&1 | tee -a "$log" | tail -15 || rc=1
+  run26 8k 120 --seq-len $s8 --max-steps $n
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run26 8k_expandable 120 --seq-len $s8 --max-steps $n
+  run26 8k_compile 200 --seq-len $s8 --max-steps $n --compile
+  run26 8k_pack 120 --seq-len $s8 --max-steps $n --pack
+  for L in $s8 $s4; do
+    step "speed.py at $L tokens: each Liger piece on and off, then the top kernels"
+    timeout 150 $PY $G/speed.py --config $m --seq-len $L --batch-size 1 --no-progress --json "$T/speed_$L.jsonl" \
+        --profile-table "$OUT/profile26_$L.txt" 2>&1 | tee -a "$log" | grep -v "^ " | tail -12 || rc=1
+  done
+fi
+if [ "$phase" = train26b ]; then                # call 2 of 2 (same machine, nothing carried)
   ac=selective
   $PY $G/train.py --plan --config $m --seq-len $s32 --batch-size 1 --ac selective | tail -1 | grep -q '^fits' || ac=full
   step "$s32 tokens, --ac $ac: memory plan against max_memory_allocated, then MFU"
@@ -306,13 +328,15 @@ if [ "$phase" = train26 ]; then                 # one GPU; carry [".liger"]; fa4
       --json "$T/memcheck.jsonl" 2>&1 | tee -a "$log" | tail -2 || rc=1
   run26 32k_$ac 120 --seq-len $s32 --ac $ac --max-steps 4
   step "HF Gemma2 with cp_softcap / eager / sdpa / flash_attention_2"
-  timeout 170 $PY benchmarks/hf_attention.py $hf --out-dir "$OUT" 2>&1 | tee -a "$log" | tail -8 || rc=1
+  timeout 170 $PY benchmarks/hf_attention.py $hf --out-dir "$OUT" 2>&1 | tee -a "$log" | cut -c1-200 | tail -8 || rc=1
   for L in 131072 114688 98304 81920 65536 49152; do
     [ "$dry" = 1 ] && L=1024
     $PY $G/train.py --plan --config $m --seq-len $L --batch-size 1 --ac full | tail -1 | grep -q '^fits' && break
   done
-  run26 longest_${L}_full 170 --seq-len $L --ac full --max-steps 3
-  $PY - "$T" "$OUT/train26.jsonl" <<'EOF'
+  run26 longest_${L}_full 150 --seq-len $L --ac full --max-steps 3
+fi
+if [ "$phase" = train26 ] || [ "$phase" = train26b ]; then
+  $PY - "$T" "$OUT/$phase.jsonl" <<'EOF'
 import json, os, sys
 src, dst = sys.argv[1], sys.argv[2]
 with open(dst, "w") as out:

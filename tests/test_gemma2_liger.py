@@ -294,7 +294,7 @@ def test_speed_script_runs_on_cpu(tmp_path):
     import subprocess
     root = os.path.join(os.path.dirname(__file__), "..")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    res = subprocess.run([sys.executable, "examples/gemma2/speed.py", "--seq-len", "64", "--batch-size", "1",
+    res = subprocess.run([sys.executable, "examples/gemma2/speed.py", "--device", "cpu", "--seq-len", "64", "--batch-size", "1",
                           "--no-progress", "--warm", "1", "--steps", "1", "--json", str(tmp_path / "s.jsonl"),
                           "--profile-table", str(tmp_path / "t.txt"), "--top", "3"],
                          cwd=root, env=env, capture_output=True, text=True, timeout=120)

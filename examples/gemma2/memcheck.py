@@ -63,7 +63,7 @@ def step_peak(argv) -> dict:
         t0 = time.perf_counter()
         train.train_step(model, opt, tokens, step, args, cfg, d, autocast)
         times.append(time.perf_counter() - t0)
-    worst = torch.tensor([peak], dtype=torch.float64)
+    worst = torch.tensor([peak], dtype=torch.float64, device=d.device)    # NCCL reduces on the GPU
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     est = memory.peak(job)
     dist.destroy_process_group()

@@ -22,6 +22,14 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB (Linux)
 
 
+def alloc_retries(device: torch.device) -> Optional[int]:
+    """GPU: how often the caching allocator has had to free its cache and retry a cudaMalloc
+    (each retry synchronises the device: a step near the memory limit slows down for it)."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
 class Logger:
     def __init__(self, args, device: torch.device, tokens_per_device: float, start: int, lead: bool):
         self.args, self.device, self.lead, self.start = args, device, lead, start
@@ -56,7 +64,8 @@ class Logger:
         gpu = self.device.type == "cuda"
         rec = {"step": done, "loss": loss, "grad_norm": gnorm, "lr": lr, "tokens_per_s_per_device": tps,
                "tflops": tps * flops_per_token / 1e12, "mfu": tps * flops_per_token / PEAK_FLOPS if gpu else None,
-               "memory_gib": peak_memory_gib(self.device), "step_s": seconds}
+               "memory_gib": peak_memory_gib(self.device), "alloc_retries": alloc_retries(self.device),
+               "step_s": seconds}
         if self.file:
             self.file.write(json.dumps(rec) + "\n")
             self.file.flush()
@@ -64,7 +73,8 @@ class Logger:
             mfu = f"MFU {100 * rec['mfu']:.2f}%" if gpu else "MFU n/a on CPU"
             self.say(f"step {done:5d}/{self.args.max_steps} | loss {loss:.4f} | grad {gnorm:.3f} | "
                      f"lr {lr:.2e} | {tps:,.0f} tok/s/dev | {rec['tflops']:.4f} TFLOP/s | {mfu} | "
-                     f"mem {rec['memory_gib']:.2f} GiB")
+                     f"mem {rec['memory_gib']:.2f} GiB"
+                     + (f" | alloc retries {rec['alloc_retries']}" if rec["alloc_retries"] else ""))
 
     def close(self, stop: int) -> None:
         if self.bar is not None:

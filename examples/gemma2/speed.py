@@ -6,7 +6,8 @@ torch.profiler table of the top kernels: which fused kernels win, and where the 
 Takes train.py's flags (--fused is ignored: every variant is tried). One model is built; for
 each variant (all PyTorch; one Liger piece at a time; all four) it runs --warm untimed steps,
 then --steps timed ones, and records the median step time, tokens/s, MFU (flops.py) and
-torch.cuda.max_memory_allocated over the variant's steps. Then it profiles two steps of the last
+torch.cuda.max_memory_allocated over the variant's steps (or the out-of-memory error of a variant
+that does not fit; the others still run). Then it profiles two steps of the last
 variant and prints the kernels with the most GPU time (--profile-table writes the table to a
 file). On CPU the Liger variants are skipped (Liger's kernels are GPU-only).
 """
@@ -59,19 +60,31 @@ def main(argv=None) -> None:
         times = []
         if cuda:
             torch.cuda.reset_peak_memory_stats(d.device)
-        for i in range(extra.warm + extra.steps):
-            t0 = time.perf_counter()
-            loss, _, _, flops = train.train_step(model, opt, tokens, step, args, cfg, d, autocast)
+        oom = None
+        try:
+            for i in range(extra.warm + extra.steps):
+                t0 = time.perf_counter()
+                loss, _, _, flops = train.train_step(model, opt, tokens, step, args, cfg, d, autocast)
+                if cuda:
+                    torch.cuda.synchronize(d.device)
+                if i >= extra.warm:
+                    times.append(time.perf_counter() - t0)
+                step += 1
+        except torch.OutOfMemoryError as e:
+            # A variant that does not fit is a result too; the others still run.
+            oom = str(e).split(". ")[0]
+        if oom is not None:
+            opt.zero_grad(set_to_none=True)
             if cuda:
-                torch.cuda.synchronize(d.device)
-            if i >= extra.warm:
-                times.append(time.perf_counter() - t0)
-            step += 1
-        s = statistics.median(times)
-        rec = {"variant": name, "liger": list(pieces), "flags": " ".join(rest), "step_s": s,
-               "tokens_per_s": tok / s, "tflops": tok * flops / s / 1e12,
-               "mfu": tok * flops / s / metrics.PEAK_FLOPS if cuda else None,
-               "memory_gib": metrics.peak_memory_gib(d.device), "loss": loss}
+                torch.cuda.empty_cache()
+            rec = {"variant": name, "liger": list(pieces), "flags": " ".join(rest), "error": oom}
+        else:
+            s = statistics.median(times)
+            rec = {"variant": name, "liger": list(pieces), "flags": " ".join(rest), "step_s": s,
+                   "tokens_per_s": tok / s, "tflops": tok * flops / s / 1e12,
+                   "mfu": tok * flops / s / metrics.PEAK_FLOPS if cuda else None,
+                   "memory_gib": metrics.peak_memory_gib(d.device),
+                   "alloc_retries": metrics.alloc_retries(d.device), "loss": loss}
         lines.append(rec)
         print(json.dumps(rec), flush=True)
     if extra.json and d.rank == 0:
