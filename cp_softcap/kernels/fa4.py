@@ -74,7 +74,9 @@ def exact_d_dlse(dout: torch.Tensor, out32: torch.Tensor, out_k: torch.Tensor,
     """dLSE to pass so that FA4's D = rowsum(dO * O_k) - dLSE' (O_k = O rounded to bf16/fp16)
     equals the exact D = rowsum(dO * O) - dLSE of the unrounded float32 O the caller has:
         dLSE' = dLSE - rowsum(dO * (O - O_k)).
-    (With a 16-bit O, near one-hot softcapped rows lose their gradient to rounding in D.)
+    (With a 16-bit O, near one-hot softcapped rows lose their gradient to rounding in D.) This
+    recovers what casting a merge of several calls' partials loses; a row that one call serves
+    has the kernel's own 16-bit O as its merged O, as on one device.
     dout/out [B, S, H, D] -> [B, H, S] float32."""
     # (float32 - 16-bit) promotes to float32 in one pass: no separate float32 copies of O_k, dO
     corr = ((out32.float() - out_k) * dout).sum(-1, dtype=torch.float32).transpose(1, 2)
