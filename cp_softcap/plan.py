@@ -38,7 +38,7 @@ from .kernels.base import Kernel
 from .layout import ring_blocks
 from .selector import select
 from .sharding import layout_for
-from .spec import AttnSpec, check_comm, check_local_shards, check_qkv, make_spec
+from .spec import AttnSpec, check_comm, check_local_shards, check_qkv, grad_dtype, make_spec
 from .transport import check_agreement
 
 Backend = Union[str, Kernel]
@@ -94,6 +94,16 @@ class Plan:
     zigzag: Optional[Zigzag] = _local(default=None)    # ring / all_gather / a2a+p2p's ring
     heads: Optional[Heads] = _local(default=None)      # a2a / a2a+p2p's all-to-all
     boundaries: Optional[Tuple[int, ...]] = _local(default=None)   # comm='packed': validated cu
+    # decided once from the compared fields: the accumulation dtype of out/LSE and of gradient
+    # sums (spec.grad_dtype) and the dtype of the kernel's gradient partials (partial_dtype)
+    grad_dtype: torch.dtype = _local(init=False)
+    partial_dtype: Optional[torch.dtype] = _local(init=False)
+
+    def __post_init__(self):
+        dtype = self.spec.dtype
+        object.__setattr__(self, "grad_dtype", grad_dtype(dtype))
+        object.__setattr__(self, "partial_dtype",
+                           None if self.kernel is None else self.kernel.partial_dtype(dtype))
 
     @property
     def cp_size(self) -> int:
@@ -611,7 +621,7 @@ def _finish(plan: Plan, groups: tuple, rank: int) -> Plan:
     comm = spec.comm
     if comm == "auto":
         comm = choose_comm(spec, plan.local_len * cp, plan.batch, block_keys=plan.ring_block_keys,
-                           partial_bytes=plan.kernel.partial_dtype(spec.dtype).itemsize,
+                           partial_bytes=plan.partial_dtype.itemsize,
                            documents=layout)
     zigzag = heads = None
     if comm in ("a2a", "a2a+p2p"):
