@@ -6,7 +6,9 @@ export) and resolve the call into a `Plan`: the validated AttnSpec, the process 
 this rank's CP size and rank, the selected kernel, the algorithm after comm='auto' and the
 zigzag / head geometry it runs on, or for one device the path (one kernel call, packed
 documents, the exportable math). Plans are cached per (group, call signature) in a
-WeakKeyDictionary on the group object, so a freed group takes its plans with it; a call whose
+WeakKeyDictionary on the group object, so a reused object address never finds another group's
+plans (a CP plan holds its group, so a group that ran CP calls stays alive with its plans); a
+one-device plan under a group of one rank does not hold it and goes with it. A call whose
 raw arguments were seen before gets its plan from a cache keyed on them (_call_key), without
 validating them, building the spec or reading settings again. The plan is the only thing that
 crosses into the algorithms: each autograd.Function takes (q, k, v, plan).
@@ -306,7 +308,8 @@ def plan_for(q, k, v, group, *, softcap, causal, window, scale, comm: str, backe
     key = _call_key(q, k, v, ("cp", comm, backend) + rest, (softcap, causal, window, scale),
                     cu_seqlens) if _cacheable(root) else None
     hit = _recall(root, key)
-    if hit is not None:
+    # a CP plan's groups died with destroy_process_group(): plan in full, which says so
+    if hit is not None and (not hit[1] or dist.is_initialized()):
         plan, groups = hit
         if groups:
             every_call = call_settings()[1]
