@@ -45,6 +45,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cp_softcap.calls import prepare_backward                        # noqa: E402
 from cp_softcap.cp.grad_accum import GradAccumulator                 # noqa: E402
 from cp_softcap.cp.ring import backward_calls, forward_calls, return_dtype  # noqa: E402
 from cp_softcap.kernels import get_kernel                           # noqa: E402
@@ -81,7 +82,8 @@ class _RingRankSim:
 
     def forward(self):
         kw = (self.kernel, self.scale, self.softcap)
-        acc_o, acc_l = new_accumulator(self.q.shape, self.v.shape[-1], self.q.dtype, self.q.device)
+        acc_o, acc_l = new_accumulator(self.q.shape, self.v.shape[-1], grad_dtype(self.q.dtype),
+                                       self.q.device)
         forward_calls(self.q, self.k, self.v, self.self_calls, *kw, acc_o, acc_l)
         for kb, vb, calls, *_ in self.blocks:
             forward_calls(self.q, kb, vb, calls, *kw, acc_o, acc_l)
@@ -92,7 +94,7 @@ class _RingRankSim:
         kw = (self.kernel, self.scale, self.softcap)
         out, lse = self.forward()
         gdt = grad_dtype(self.q.dtype)
-        dout, out, dlse = self.kernel.prepare_backward(self.dout, out, None, self.q.dtype)
+        dout, out, dlse = prepare_backward(self.kernel, self.dout, out, self.q.dtype)
         dq, dk, dv = (GradAccumulator(t.shape, gdt, self.q.device)
                       for t in (self.q, self.k, self.v))
         backward_calls(dout, self.q, self.k, self.v, out, lse, dlse, self.self_calls, *kw,
@@ -124,7 +126,8 @@ class RankSim(_RingRankSim):
             # the dK/dV partials other ranks return for our keys (added in step order), in the
             # dtype each sender's block returns (ring.return_dtype); one random tensor stands
             # for both dK and dV (timing only)
-            rdt = lambda r: return_dtype(kernel, dtype, block_exclusive(cp, r, chunk, window, steps))  # noqa: E731
+            rdt = lambda r: return_dtype(kernel.partial_dtype(dtype), grad_dtype(dtype),  # noqa: E731
+                                         block_exclusive(cp, r, chunk, window, steps))
             peers = [(rank + st) % cp for st in steps]
             back = [(kr, rdt(p)) for kr, p in ((key_range(cp, p, rank, chunk, window), p)
                                               for p in peers) if kr is not None]
@@ -163,10 +166,10 @@ def packed_full(kernel, cu, seq_len, window, hq, hkv, d, dtype, dev, softcap, ba
     dout, calls, kw = torch.randn_like(q), dgeo.stream_calls(cu, seq_len, window), (kernel, d ** -0.5, softcap)
 
     def run():
-        acc_o, acc_l = new_accumulator(q.shape, v.shape[-1], dtype, q.device)
+        acc_o, acc_l = new_accumulator(q.shape, v.shape[-1], grad_dtype(dtype), q.device)
         forward_calls(q, k, v, calls, *kw, acc_o, acc_l)
         if backward:
-            g, o, dl = kernel.prepare_backward(dout, acc_o, None, dtype)
+            g, o, dl = prepare_backward(kernel, dout, acc_o, dtype)
             acc = [GradAccumulator(t.shape, grad_dtype(dtype), q.device) for t in (q, k, v)]
             backward_calls(g, q, k, v, o, acc_l, dl, calls, *kw, *acc)
             [a.result() for a in acc]

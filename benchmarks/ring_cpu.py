@@ -195,6 +195,7 @@ def _time_worker(rank, cp, shapes, reps):
     from cp_softcap.kernels import get_kernel
     from cp_softcap.layout import needs
     from cp_softcap.merge import merge_into, new_accumulator
+    from cp_softcap.spec import grad_dtype
     kernel = get_kernel("torch")
     scale = 1.0 / math.sqrt(D)
     records = []
@@ -258,7 +259,7 @@ def _time_worker(rank, cp, shapes, reps):
                 mts = []
                 for _ in range(max(3, n_rep)):
                     t0 = time.perf_counter()
-                    ao, al = new_accumulator(q.shape, D, q.dtype, q.device)
+                    ao, al = new_accumulator(q.shape, D, grad_dtype(q.dtype), q.device)
                     for c, o, lse in keep:
                         merge_into(ao[:, c.q0:c.q1], al[:, :, c.q0:c.q1], o, lse)
                     mts.append(time.perf_counter() - t0)

@@ -11,8 +11,6 @@ from typing import Optional, Tuple
 
 import torch
 
-from .spec import grad_dtype
-
 
 def clean_lse(lse: torch.Tensor) -> torch.Tensor:
     """Map flash-attn 2's +inf (empty row) to -inf; other values unchanged."""
@@ -70,11 +68,11 @@ def merge(parts, acc_dtype: torch.dtype = torch.float32
     return acc_out, acc_lse
 
 
-def new_accumulator(q_shape, head_dim_v: int, dtype: torch.dtype, device
+def new_accumulator(q_shape, head_dim_v: int, acc_dtype: torch.dtype, device
                     ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Empty (out, lse) accumulator for queries of shape [B, S, H, D]: out = 0, lse = -inf."""
+    """Empty (out, lse) accumulator for queries of shape [B, S, H, D]: out = 0, lse = -inf, in
+    the accumulation dtype `acc_dtype` (plan.grad_dtype: spec.grad_dtype of the inputs' dtype)."""
     b, s, h, _ = q_shape
-    acc_dtype = grad_dtype(dtype)
     out = torch.zeros(b, s, h, head_dim_v, dtype=acc_dtype, device=device)
     lse = torch.full((b, h, s), float("-inf"), dtype=acc_dtype, device=device)
     return out, lse

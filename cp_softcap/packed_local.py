@@ -18,7 +18,6 @@ from .cp.grad_accum import GradAccumulator
 from .cp.guard import autocast_off, refuse_second_order
 from .doc_geometry import stream_calls
 from .kernels.torch_kernel import TorchKernel
-from .spec import grad_dtype
 
 
 def second_order_safe(kernel, grads: tuple, inputs: tuple) -> tuple:
@@ -63,7 +62,7 @@ class PackedAttention(torch.autograd.Function):
     @staticmethod
     @autocast_off
     def forward(ctx, q, k, v, plan, calls):
-        spec, acc = plan.spec, grad_dtype(q.dtype)
+        spec, acc = plan.spec, plan.grad_dtype
         b, t, hq, _ = q.shape
         out = torch.zeros(b, t, hq, v.shape[-1], dtype=acc, device=q.device)
         lse = torch.full((b, hq, t), float("-inf"), dtype=acc, device=q.device)
@@ -78,7 +77,7 @@ class PackedAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, dout = saved_for_local_backward(ctx, dout)
         spec, kernel = ctx.plan.spec, ctx.plan.kernel
-        acc = grad_dtype(q.dtype)
+        acc = ctx.plan.grad_dtype
         dq, dk, dv = (GradAccumulator(x.shape, acc, x.device) for x in (q, k, v))
         backward_into(kernel, dout, q, k, v, out, lse, dlse, ctx.calls, spec.scale,
                       spec.softcap, dq, dk, dv)

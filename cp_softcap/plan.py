@@ -6,7 +6,9 @@ export) and resolve the call into a `Plan`: the validated AttnSpec, the process 
 this rank's CP size and rank, the selected kernel, the algorithm after comm='auto' and the
 zigzag / head geometry it runs on, or for one device the path (one kernel call, packed
 documents, the exportable math). Plans are cached per (group, call signature) in a
-WeakKeyDictionary on the group object, so a freed group takes its plans with it; a call whose
+WeakKeyDictionary on the group object, so a reused object address never finds another group's
+plans (a CP plan holds its group, so a group that ran CP calls stays alive with its plans); a
+one-device plan under a group of one rank does not hold it and goes with it. A call whose
 raw arguments were seen before gets its plan from a cache keyed on them (_call_key), without
 validating them, building the spec or reading settings again. The plan is the only thing that
 crosses into the algorithms: each autograd.Function takes (q, k, v, plan).
@@ -38,7 +40,7 @@ from .kernels.base import Kernel
 from .layout import ring_blocks
 from .selector import select
 from .sharding import layout_for
-from .spec import AttnSpec, check_comm, check_local_shards, check_qkv, make_spec
+from .spec import AttnSpec, check_comm, check_local_shards, check_qkv, grad_dtype, make_spec
 from .transport import check_agreement
 
 Backend = Union[str, Kernel]
@@ -94,6 +96,16 @@ class Plan:
     zigzag: Optional[Zigzag] = _local(default=None)    # ring / all_gather / a2a+p2p's ring
     heads: Optional[Heads] = _local(default=None)      # a2a / a2a+p2p's all-to-all
     boundaries: Optional[Tuple[int, ...]] = _local(default=None)   # comm='packed': validated cu
+    # decided once from the compared fields: the accumulation dtype of out/LSE and of gradient
+    # sums (spec.grad_dtype) and the dtype of the kernel's gradient partials (partial_dtype)
+    grad_dtype: torch.dtype = _local(init=False)
+    partial_dtype: Optional[torch.dtype] = _local(init=False)
+
+    def __post_init__(self):
+        dtype = self.spec.dtype
+        object.__setattr__(self, "grad_dtype", grad_dtype(dtype))
+        object.__setattr__(self, "partial_dtype",
+                           None if self.kernel is None else self.kernel.partial_dtype(dtype))
 
     @property
     def cp_size(self) -> int:
@@ -296,7 +308,8 @@ def plan_for(q, k, v, group, *, softcap, causal, window, scale, comm: str, backe
     key = _call_key(q, k, v, ("cp", comm, backend) + rest, (softcap, causal, window, scale),
                     cu_seqlens) if _cacheable(root) else None
     hit = _recall(root, key)
-    if hit is not None:
+    # a CP plan's groups died with destroy_process_group(): plan in full, which says so
+    if hit is not None and (not hit[1] or dist.is_initialized()):
         plan, groups = hit
         if groups:
             every_call = call_settings()[1]
@@ -611,7 +624,7 @@ def _finish(plan: Plan, groups: tuple, rank: int) -> Plan:
     comm = spec.comm
     if comm == "auto":
         comm = choose_comm(spec, plan.local_len * cp, plan.batch, block_keys=plan.ring_block_keys,
-                           partial_bytes=plan.kernel.partial_dtype(spec.dtype).itemsize,
+                           partial_bytes=plan.partial_dtype.itemsize,
                            documents=layout)
     zigzag = heads = None
     if comm in ("a2a", "a2a+p2p"):

@@ -99,7 +99,6 @@ def _bitwise_worker(rank, world, window, keys):
 
     import cp_softcap as cps
     from cp_softcap.cp import ring
-    from cp_softcap.kernels.base import grad_dtype
     from cp_softcap.sharding import shard
     os.environ["CP_SOFTCAP_RING_BLOCK_KEYS"] = keys
     torch.manual_seed(99)
@@ -111,7 +110,7 @@ def _bitwise_worker(rank, world, window, keys):
         dt = exact_return(*args)
         bf16_blocks[0] += dt == torch.bfloat16
         return dt
-    for returns in (counted, lambda kernel, dtype, *_: grad_dtype(dtype)):
+    for returns in (counted, lambda partial, acc, *_: acc):
         ring.return_dtype = returns
         local = [shard(t, world, rank).cuda().requires_grad_() for t in (q, k, v)]
         out = cps.cp_attention(*local, dist.group.WORLD, backend="fa4", softcap=30.0, causal=True,

@@ -57,7 +57,7 @@ def test_fused_merge_matches_eager_on_views_with_empty_rows(d, dtype):
 def test_merge_into_dispatches_to_fused_for_cuda():
     if not torch.cuda.is_available():
         pytest.skip("dispatch applies to CUDA tensors")
-    acc_o, acc_l = eager.new_accumulator((1, 64, 2, 32), 32, torch.bfloat16, "cuda")
+    acc_o, acc_l = eager.new_accumulator((1, 64, 2, 32), 32, torch.float32, "cuda")
     parts = [(torch.randn(1, 64, 2, 32, device="cuda"), torch.randn(1, 2, 64, device="cuda"))
              for _ in range(3)]
     for o, l in parts:

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from cp_softcap.doc_geometry import DocCall, stream_calls
-from cp_softcap.kernels.base import Segments, check_segments, segment_block_visible, segment_ids
+from cp_softcap.kernels.base import Segments, check_segments, segment_ids
+from cp_softcap.kernels.torch_kernel import segment_block_visible
 from cp_softcap.kernels.torch_kernel import TorchKernel
 from segment_checks import SEGMENT_CASES, SEGMENT_IDS, call_mask, check_segmented, inputs, run_kernel
 

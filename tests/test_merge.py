@@ -115,7 +115,7 @@ def test_all_empty_row():
 
 def test_merge_into_views_and_accumulator():
     """merge_into works on row slices of a float32 accumulator (how ring code uses it)."""
-    acc_out, acc_lse = new_accumulator((1, 10, 2, 8), 8, torch.bfloat16, "cpu")
+    acc_out, acc_lse = new_accumulator((1, 10, 2, 8), 8, torch.float32, "cpu")
     assert acc_out.dtype == torch.float32 and torch.all(acc_lse == NEG_INF) and torch.all(acc_out == 0)
     o, l = torch.randn(1, 5, 2, 8), torch.randn(1, 2, 5)
     merge_into(acc_out[:, 5:], acc_lse[:, :, 5:], o, l)

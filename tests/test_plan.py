@@ -65,3 +65,44 @@ def test_boundaries_refilled_in_place_get_their_new_layout():
     assert planning._documents(cu, 64, 2)[0] is third          # the same values: cached
     float_cu = torch.tensor([0.0, 64.0, 65.0, 128.0])          # equal values, wrong dtype
     assert isinstance(planning._documents(float_cu, 64, 2)[1], TypeError)
+
+
+def test_warm_plan_follows_what_the_plan_depends_on(monkeypatch):
+    """A call whose raw arguments were seen gets its plan from the raw-call cache; every input
+    the plan depends on is part of that key, so a change gives the changed plan, never the old
+    one: gradient mode, requires_grad, the deterministic flag, a planning variable, dtype, and
+    packed boundaries of the same length."""
+    q, k, v = (torch.randn(1, 12, 2, 8) for _ in range(3))
+    kw = dict(softcap=None, causal=True, window=None, scale=None, backend="auto")
+    plan = lambda *t, **extra: planning.local_plan_for(*(t or (q, k, v)), **kw, **extra)  # noqa: E731
+    base = plan()
+    assert plan() is base and not base.spec.needs_backward
+    grad = plan(q.clone().requires_grad_(), k, v)
+    assert grad.spec.needs_backward
+    with torch.no_grad():
+        assert not plan(q.clone().requires_grad_(), k, v).spec.needs_backward
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(not deterministic)
+        assert plan().spec.deterministic is not deterministic
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert plan() is base
+    monkeypatch.setenv("CP_SOFTCAP_BACKEND", "torch")
+    assert plan().backend == "auto" and plan() is not base
+    monkeypatch.delenv("CP_SOFTCAP_BACKEND")
+    wide = plan(*(t.to(torch.float64) for t in (q, k, v)))
+    assert wide.spec.dtype == torch.float64 and wide.grad_dtype == torch.float64
+    a, b = plan(cu_seqlens=[0, 5, 12]), plan(cu_seqlens=[0, 7, 12])
+    assert (a.boundaries, b.boundaries) == ((0, 5, 12), (0, 7, 12))
+    assert plan(cu_seqlens=torch.tensor([0, 5, 12])).boundaries == (0, 5, 12)
+
+
+def test_plan_decides_the_accumulation_and_partial_dtypes():
+    """The dtypes every CP algorithm reads from the plan instead of deciding per call."""
+    for dtype, acc in ((torch.bfloat16, torch.float32), (torch.float64, torch.float64)):
+        spec = cps.make_spec(head_dim=8, num_heads=4, num_kv_heads=2, dtype=dtype, device_type="cpu")
+        plan = planning.Plan(spec, 1, 8, "auto", TorchKernel(), 32768)
+        assert plan.grad_dtype == acc and plan.partial_dtype == TorchKernel().partial_dtype(dtype)
+        assert dataclasses.replace(plan, comm="ring").grad_dtype == acc
+    assert planning.Plan(spec, 1, 8, "fa2", None, None).partial_dtype is None

@@ -300,11 +300,10 @@ def _bf16_returns_worker(rank, world):
     from cases import native_standin
     from cp_softcap.cp import ring
     from cp_softcap.sharding import shard
-    from cp_softcap.spec import grad_dtype
     kernel, exact, bf16_blocks = native_standin(), ring.return_dtype, [0]
 
-    def counted(kernel, dtype, exclusive):
-        dt = exact(kernel, dtype, exclusive)
+    def counted(partial, acc, exclusive):
+        dt = exact(partial, acc, exclusive)
         bf16_blocks[0] += dt == torch.bfloat16
         return dt
     cu, s, _ = _cases(world)[0]
@@ -315,7 +314,7 @@ def _bf16_returns_worker(rank, world):
             torch.manual_seed(1)
             q, k, v, dout = (torch.randn(2, s, h, 8).to(torch.bfloat16) for h in (4, 2, 2, 4))
             grads = []
-            for returns in (counted, lambda kernel, dtype, *_: grad_dtype(dtype)):
+            for returns in (counted, lambda partial, acc, *_: acc):
                 ring.return_dtype = returns
                 local = [shard(t, world, rank, cu_seqlens=cu).requires_grad_() for t in (q, k, v)]
                 out = cps.cp_attention(*local, dist.group.WORLD, backend=kernel, softcap=30.0,

@@ -119,7 +119,7 @@ def _attend(q, k, v, plan):
     if plan.layout is not None:
         return _attend_packed(q, k, v, plan)
     out, lse = plan.kernel.forward(q, k, v, scale=spec.scale, softcap=spec.softcap, window=spec.window)
-    return out.to(grad_dtype(q.dtype)), lse
+    return out.to(plan.grad_dtype), lse
 
 
 def _attend_backward(dout, q, k, v, out, lse, plan):
@@ -138,7 +138,7 @@ def _attend_packed(q, k, v, plan):
     spec, layout = plan.spec, plan.layout
     idx, inv = stream_order(layout, q.device)
     qg, kg, vg = (t.index_select(1, inv) for t in (q, k, v))
-    out, lse = new_accumulator(q.shape, v.shape[-1], q.dtype, q.device)
+    out, lse = new_accumulator(q.shape, v.shape[-1], plan.grad_dtype, q.device)
     calls = stream_calls(layout.cu_seqlens, layout.seq_len, spec.window)
     write_calls(plan.kernel, qg, kg, vg, calls, spec.scale, spec.softcap, out, lse)
     return out.index_select(1, idx), lse.index_select(2, idx)
@@ -150,7 +150,7 @@ def _attend_packed_backward(dout, q, k, v, out, lse, plan):
     dog, qg, kg, vg, og = (t.index_select(1, inv) for t in (dout, q, k, v, out))
     lg = lse.index_select(2, inv)
     calls = stream_calls(layout.cu_seqlens, layout.seq_len, spec.window)
-    gdt = plan.kernel.partial_dtype(q.dtype)
+    gdt = plan.partial_dtype
     grads = [GradAccumulator(t.shape, gdt, q.device) for t in (q, k, v)]
     backward_into(plan.kernel, dog, qg, kg, vg, og, lg, None, calls, spec.scale, spec.softcap, *grads)
     return tuple(g.result().index_select(1, idx) for g in grads)

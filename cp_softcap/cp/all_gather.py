@@ -22,9 +22,8 @@ import torch
 from ..doc_geometry import gathered_calls
 from ..layout import plan_pair
 from ..merge import new_accumulator
-from ..spec import grad_dtype
 from ..transport import all_gather, reduce_scatter, wait
-from ..calls import backward_into, stream_order, write_calls
+from ..calls import backward_into, prepare_backward, stream_order, write_calls
 from .grad_accum import GradAccumulator
 from .guard import shard_function
 from .packing import pack, unpack
@@ -85,7 +84,7 @@ def all_gather_forward(q, k, v, plan):
     if zz.documents is not None:
         return _packed_forward(q, k, v, plan)
     kv = _Gathered(k, v, zz.group, zz.size, "all_gather.fwd.kv")
-    acc = grad_dtype(q.dtype)
+    acc = plan.grad_dtype
     out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=acc, device=q.device)
     lse = torch.full(q.shape[:1] + (q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
     for row, call in _chunk_calls(zz.size, zz.rank, zz.chunk, zz.window):
@@ -107,8 +106,8 @@ def all_gather_backward(dout, q, k, v, out, lse, plan):
         return _packed_backward(dout, q, k, v, out, lse, plan)
     kv = _Gathered(k, v, zz.group, zz.size, "all_gather.bwd.kv")
     # once per backward, not per call (e.g. fa4 casts the float32 O and corrects D here)
-    dout, out, dlse = kernel.prepare_backward(dout, out, None, q.dtype)
-    gdt = grad_dtype(q.dtype)
+    dout, out, dlse = prepare_backward(kernel, dout, out, q.dtype)
+    gdt = plan.grad_dtype
     total = 2 * zz.size * zz.chunk
     dq = GradAccumulator(q.shape, gdt, q.device)
     dk_full = GradAccumulator((k.shape[0], total) + tuple(k.shape[2:]), gdt, q.device)
@@ -154,7 +153,7 @@ def _gather_global(k, v, zz, op):
 def _packed_forward(q, k, v, plan):
     zz, spec = plan.zigzag, plan.spec
     kg, vg = _gather_global(k, v, zz, "all_gather.fwd.kv")
-    out, lse = new_accumulator(q.shape, v.shape[-1], q.dtype, q.device)
+    out, lse = new_accumulator(q.shape, v.shape[-1], plan.grad_dtype, q.device)
     calls = gathered_calls(zz.documents, zz.rank, zz.window)
     write_calls(plan.kernel, q, kg, vg, calls, spec.scale, spec.softcap, out, lse)
     return out, lse
@@ -163,8 +162,8 @@ def _packed_forward(q, k, v, plan):
 def _packed_backward(dout, q, k, v, out, lse, plan):
     zz, spec, kernel = plan.zigzag, plan.spec, plan.kernel
     kg, vg = _gather_global(k, v, zz, "all_gather.bwd.kv")
-    dout, out, dlse = kernel.prepare_backward(dout, out, None, q.dtype)
-    gdt = grad_dtype(q.dtype)
+    dout, out, dlse = prepare_backward(kernel, dout, out, q.dtype)
+    gdt = plan.grad_dtype
     dq = GradAccumulator(q.shape, gdt, q.device)
     dk, dv = (GradAccumulator(t.shape, gdt, q.device) for t in (kg, vg))
     calls = gathered_calls(zz.documents, zz.rank, zz.window)

@@ -38,7 +38,6 @@ from __future__ import annotations
 import torch
 
 from ..merge import merge_into, new_accumulator
-from ..spec import grad_dtype
 from ..transport import Exchange
 from .. import calls as geo
 from .grad_accum import GradAccumulator
@@ -84,16 +83,17 @@ def backward_calls(dout, q, ks, vs, out, lse, dlse, calls, kernel, scale, softca
     geo.backward_into(kernel, dout, q, ks, vs, out, lse, dlse, calls, scale, softcap, dq, dk, dv)
 
 
-def return_dtype(kernel, dtype, exclusive: bool) -> torch.dtype:
-    """dtype of the dK/dV partials of a block; exclusive: each of its keys is read by one kernel
-    call (calls.exclusive; both ends compute it)."""
-    return kernel.partial_dtype(dtype) if exclusive else grad_dtype(dtype)
+def return_dtype(partial: torch.dtype, acc: torch.dtype, exclusive: bool) -> torch.dtype:
+    """dtype of the dK/dV partials of a block: the kernel's own (plan.partial_dtype) when the
+    block is exclusive (each of its keys is read by one kernel call: calls.exclusive; both ends
+    compute it), else the accumulation dtype (plan.grad_dtype)."""
+    return partial if exclusive else acc
 
 
 def ring_forward(q, k, v, plan):
     """-> (out float32 [B, S, Hq, Dv], lse float32 [B, Hq, S]) for this rank's queries."""
     zz, args = plan.zigzag, (plan.kernel, plan.spec.scale, plan.spec.softcap)
-    acc_out, acc_lse = new_accumulator(q.shape, v.shape[-1], q.dtype, q.device)
+    acc_out, acc_lse = new_accumulator(q.shape, v.shape[-1], plan.grad_dtype, q.device)
     post = lambda i: _Block(zz, "ring.fwd.kv", k, v, zz.blocks[i])  # noqa: E731
     pending = post(0) if zz.blocks else None
     forward_calls(q, k, v, geo.self_calls(zz), *args, acc_out, acc_lse)
@@ -108,9 +108,9 @@ def ring_backward(dout, q, k, v, out, lse, plan):
     """-> float32 (dq, dk, dv) of this rank's shards. out/lse: the final merged values."""
     zz, kernel = plan.zigzag, plan.kernel
     args = (kernel, plan.spec.scale, plan.spec.softcap)
-    gdt = grad_dtype(q.dtype)
+    gdt, partial = plan.grad_dtype, plan.partial_dtype
     # Once per backward, not per chunk pair: e.g. fa4 casts the float32 O and corrects D here.
-    dout, out, dlse = kernel.prepare_backward(dout, out, None, q.dtype)
+    dout, out, dlse = geo.prepare_backward(kernel, dout, out, q.dtype)
     dq, dk, dv = (GradAccumulator(t.shape, gdt, q.device) for t in (q, k, v))
     post = lambda i: _Block(zz, "ring.bwd.kv", k, v, zz.blocks[i])  # noqa: E731
     pending = post(0) if zz.blocks else None
@@ -119,7 +119,7 @@ def ring_backward(dout, q, k, v, out, lse, plan):
     for i, steps in enumerate(zz.blocks):
         blk = pending.wait()
         pending = post(i + 1) if i + 1 < len(zz.blocks) else None
-        rdt = lambda r, steps=steps: return_dtype(kernel, q.dtype, geo.exclusive(zz, r, steps))  # noqa: E731
+        rdt = lambda r, steps=steps: return_dtype(partial, gdt, geo.exclusive(zz, r, steps))  # noqa: E731
         gk, gv = (GradAccumulator(t.shape, rdt(zz.rank), q.device) for t in (blk.k, blk.v))
         backward_calls(dout, q, blk.k, blk.v, out, lse, dlse, blk.calls, *args, dq, gk, gv)
         posted = _GradReturn(zz, gk.result(), gv.result(), blk.slots, k, v, steps, rdt)

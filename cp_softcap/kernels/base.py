@@ -20,9 +20,11 @@ Every kernel (one file each in this package) subclasses `Kernel` and implements:
         (from caps.grads_in_input_dtype). The CP algorithms size their gradient messages by it.
     prepare_backward(dout, out, dlse, dtype) -> (dout, out, dlse)      [optional]
         Called once per backward by callers that run many chunk-pair backwards on the same rows
-        (ring, all_gather); row slices of the results stay valid for row slices of the inputs.
-        fa4 uses it to cast the float32 O and correct D once instead of per chunk pair, which
-        was measured to matter on the GPU (benchmarks/RESULTS.md). Default: unchanged.
+        (ring, all_gather, through calls.prepare_backward); row slices of the results stay valid
+        for row slices of the inputs. fa4 uses it to cast the float32 O and correct D once
+        instead of per chunk pair, which was measured to matter on the GPU
+        (benchmarks/RESULTS.md). A kernel without it leaves `prepare_backward = None` (the
+        default): its backward takes (dout, out, dlse) as they are.
 
 `segments` (packed documents) is None, or `Segments(cu_q, cu_k)` (a plain pair of int tuples
 works too): the call's rows and keys split into documents. Segment s is rows [cu_q[s], cu_q[s+1])
@@ -49,7 +51,6 @@ Capabilities and probes feed the selector table.
 """
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Tuple
 
@@ -120,21 +121,6 @@ def segment_ids(segments: Segments, device=None):
     return tuple(t.to(device) for t in (q_seg, q_pos, k_seg, k_pos))
 
 
-def segment_block_visible(segments: Segments, window: Window, q0: int, q1: int, k0: int, k1: int
-                          ) -> bool:
-    """Whether any row in [q0, q1) sees any key in [k0, k1) (exact, host integers only)."""
-    cu_q, cu_k = segments
-    # only segments whose rows meet [q0, q1) and whose keys meet [k0, k1)
-    first = max(bisect_right(cu_q, q0), bisect_right(cu_k, k0)) - 1
-    for s in range(first, min(bisect_left(cu_q, q1), bisect_left(cu_k, k1))):
-        a, b = max(q0, cu_q[s]), min(q1, cu_q[s + 1])
-        c, d = max(k0, cu_k[s]), min(k1, cu_k[s + 1])
-        if a < b and c < d and block_visible(cu_q[s + 1] - cu_q[s], cu_k[s + 1] - cu_k[s], window,
-                                             a - cu_q[s], b - cu_q[s], c - cu_k[s], d - cu_k[s]):
-            return True
-    return False
-
-
 @dataclass(frozen=True)
 class Capabilities:
     """What a kernel can serve. The selector rejects any spec that needs more."""
@@ -180,39 +166,7 @@ class Kernel:
         """dtype of backward()'s gradients for inputs of `dtype`."""
         return dtype if self.caps.grads_in_input_dtype else grad_dtype(dtype)
 
-    def prepare_backward(self, dout: torch.Tensor, out: torch.Tensor,
-                         dlse: Optional[torch.Tensor], dtype: torch.dtype):
-        """Once per backward over many chunk pairs of the same rows: (dout, out, dlse) in the
-        form backward() takes without per-call conversion. Default: unchanged."""
-        return dout, out, dlse
-
-
-def visible_mask(sq: int, sk: int, window: Window, device, q_start: int = 0, k_start: int = 0,
-                 q_len: Optional[int] = None, k_len: Optional[int] = None) -> Optional[torch.Tensor]:
-    """Boolean [q_len, k_len] mask (True = visible) for rows q_start.. and keys k_start.. of an
-    Sq x Sk chunk pair under the bottom-right aligned `window`; None when everything is visible."""
-    left, right = window
-    q_len = sq - q_start if q_len is None else q_len
-    k_len = sk - k_start if k_len is None else k_len
-    if left is None and right is None:
-        return None
-    shift = sk - sq
-    i = torch.arange(q_start, q_start + q_len, device=device).unsqueeze(1) + shift
-    j = torch.arange(k_start, k_start + k_len, device=device).unsqueeze(0)
-    mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
-    if left is not None:
-        mask &= j >= i - left
-    if right is not None:
-        mask &= j <= i + right
-    return mask
-
-
-def block_visible(sq: int, sk: int, window: Window, q0: int, q1: int, k0: int, k1: int) -> bool:
-    """Whether any key in [k0, k1) is visible from any row in [q0, q1) (cheap block skip)."""
-    left, right = window
-    shift = sk - sq
-    if right is not None and k0 > (q1 - 1) + shift + right:
-        return False
-    if left is not None and k1 - 1 < q0 + shift - left:
-        return False
-    return True
+    # Optional hook (see the module docstring): a method prepare_backward(dout, out, dlse, dtype)
+    # -> (dout, out, dlse) that converts once per backward what every chunk-pair backward would
+    # convert. None: the backward takes them as they are.
+    prepare_backward = None

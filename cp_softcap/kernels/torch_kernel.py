@@ -23,15 +23,63 @@ unsegmented code path.
 """
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from typing import Optional, Tuple
 
 import torch
 
 from ..spec import Window
-from .base import (Capabilities, Kernel, block_visible, check_segments, grad_dtype,
-                   segment_block_visible, segment_ids, visible_mask)
+from .base import Capabilities, Kernel, Segments, check_segments, grad_dtype, segment_ids
 
 _NEG_INF = float("-inf")
+
+
+# ------------------------------------------------------- block masks (sdpa's CPU path uses visible_mask)
+
+def visible_mask(sq: int, sk: int, window: Window, device, q_start: int = 0, k_start: int = 0,
+                 q_len: Optional[int] = None, k_len: Optional[int] = None) -> Optional[torch.Tensor]:
+    """Boolean [q_len, k_len] mask (True = visible) for rows q_start.. and keys k_start.. of an
+    Sq x Sk chunk pair under the bottom-right aligned `window`; None when everything is visible."""
+    left, right = window
+    q_len = sq - q_start if q_len is None else q_len
+    k_len = sk - k_start if k_len is None else k_len
+    if left is None and right is None:
+        return None
+    shift = sk - sq
+    i = torch.arange(q_start, q_start + q_len, device=device).unsqueeze(1) + shift
+    j = torch.arange(k_start, k_start + k_len, device=device).unsqueeze(0)
+    mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    if left is not None:
+        mask &= j >= i - left
+    if right is not None:
+        mask &= j <= i + right
+    return mask
+
+
+def block_visible(sq: int, sk: int, window: Window, q0: int, q1: int, k0: int, k1: int) -> bool:
+    """Whether any key in [k0, k1) is visible from any row in [q0, q1) (cheap block skip)."""
+    left, right = window
+    shift = sk - sq
+    if right is not None and k0 > (q1 - 1) + shift + right:
+        return False
+    if left is not None and k1 - 1 < q0 + shift - left:
+        return False
+    return True
+
+
+def segment_block_visible(segments: Segments, window: Window, q0: int, q1: int, k0: int, k1: int
+                          ) -> bool:
+    """Whether any row in [q0, q1) sees any key in [k0, k1) (exact, host integers only)."""
+    cu_q, cu_k = segments
+    # only segments whose rows meet [q0, q1) and whose keys meet [k0, k1)
+    first = max(bisect_right(cu_q, q0), bisect_right(cu_k, k0)) - 1
+    for s in range(first, min(bisect_left(cu_q, q1), bisect_left(cu_k, k1))):
+        a, b = max(q0, cu_q[s]), min(q1, cu_q[s + 1])
+        c, d = max(k0, cu_k[s]), min(k1, cu_k[s + 1])
+        if a < b and c < d and block_visible(cu_q[s + 1] - cu_q[s], cu_k[s + 1] - cu_k[s], window,
+                                             a - cu_q[s], b - cu_q[s], c - cu_k[s], d - cu_k[s]):
+            return True
+    return False
 
 
 def _heads_view(x: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -52,7 +100,7 @@ class _BlockMasks:
 
     def __init__(self, sq: int, sk: int, window: Window, segments, device):
         self.sq, self.sk, self.window, self.device = sq, sk, window, device
-        segs = check_segments(segments, sq, sk, "torch")
+        segs = None if segments is None else check_segments(segments, sq, sk, "torch")
         self.segs = None if segs is None or segs.single() else segs
         if self.segs is not None:
             self.ids = segment_ids(self.segs, device)
