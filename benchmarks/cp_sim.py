@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cp_softcap.calls import prepare_backward                        # noqa: E402
-from cp_softcap.cp.grad_accum import GradAccumulator                 # noqa: E402
+from cp_softcap.merge import GradAccumulator                 # noqa: E402
 from cp_softcap.cp.ring import backward_calls, forward_calls, return_dtype  # noqa: E402
 from cp_softcap.kernels import get_kernel                           # noqa: E402
 from cp_softcap.kernels.base import grad_dtype                      # noqa: E402

@@ -4,6 +4,15 @@ For two disjoint key sets a, b of the same rows:
     LSE = logaddexp(LSE_a, LSE_b);  O = exp(LSE_a - LSE) O_a + exp(LSE_b - LSE) O_b
 A partial with LSE = -inf (or +inf, flash-attn 2's marker for an empty row) contributes nothing.
 A row empty in every partial ends with out = 0, lse = -inf. No NaN can come out of -inf inputs.
+
+GradAccumulator is the backward's counterpart: the sum of gradient partials, each covering a
+range of positions (dim 1) of one tensor. Partials may come in the kernel's own dtype (bf16 from
+flash-attn): the in-place add widens them on the fly, so no separate float32 copy of each partial
+is made. The first partial that covers the whole tensor is taken as the buffer when it already
+has the buffer's dtype (no copy), copied otherwise, so the common case never zero-fills.
+
+A 16-bit buffer is exact only when every position receives at most one partial (the caller's
+promise, layout.block_exclusive): 0 + x is x in any dtype.
 """
 from __future__ import annotations
 
@@ -76,3 +85,29 @@ def new_accumulator(q_shape, head_dim_v: int, acc_dtype: torch.dtype, device
     out = torch.zeros(b, s, h, head_dim_v, dtype=acc_dtype, device=device)
     lse = torch.full((b, h, s), float("-inf"), dtype=acc_dtype, device=device)
     return out, lse
+
+
+class GradAccumulator:
+    """The sum of gradient partials over ranges of dim 1 (see the module docstring)."""
+
+    def __init__(self, shape, dtype: torch.dtype, device):
+        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+        self._buf = None
+
+    def add(self, lo: int, hi: int, grad: torch.Tensor) -> None:
+        if self._buf is None:
+            if lo == 0 and hi == self.shape[1]:
+                if grad.dtype == self.dtype and grad.is_contiguous() and grad._base is None:
+                    self._buf = grad            # a fresh kernel output: ours to add into
+                else:
+                    self._buf = grad.to(self.dtype, memory_format=torch.contiguous_format, copy=True)
+                return
+            self._buf = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        self._buf[:, lo:hi] += grad
+
+    def result(self) -> torch.Tensor:
+        """The sum (zeros if nothing was added). The buffer itself, not a copy: add nothing after
+        handing it out (the ring sends it asynchronously)."""
+        if self._buf is None:
+            self._buf = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return self._buf

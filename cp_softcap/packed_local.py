@@ -14,7 +14,7 @@ from typing import Tuple
 import torch
 
 from .calls import backward_into, write_calls
-from .cp.grad_accum import GradAccumulator
+from .merge import GradAccumulator
 from .cp.guard import autocast_off, refuse_second_order
 from .doc_geometry import stream_calls
 from .kernels.torch_kernel import TorchKernel

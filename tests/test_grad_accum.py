@@ -1,7 +1,7 @@
 """GradAccumulator: partial sums over position ranges, widening 16-bit partials."""
 import torch
 
-from cp_softcap.cp.grad_accum import GradAccumulator
+from cp_softcap.merge import GradAccumulator
 
 
 def test_full_cover_first_then_partial_adds():

@@ -11,14 +11,14 @@ CAPS = (1.0, 30.0)   # saturating_qkv scales the logits to ~4x the cap: tanh sat
 
 
 def _worker(rank, world, comm):
-    from cp_softcap.cp import grad_accum
+    from cp_softcap import merge
     kernel = native_standin()
-    bf16_adds, real_add = [0], grad_accum.GradAccumulator.add
+    bf16_adds, real_add = [0], merge.GradAccumulator.add
 
     def add(self, lo, hi, grad):        # count the 16-bit partials the accumulator widens
         bf16_adds[0] += grad.dtype == torch.bfloat16
         real_add(self, lo, hi, grad)
-    grad_accum.GradAccumulator.add = add
+    merge.GradAccumulator.add = add
 
     base = dict(b=2, s=2 * world * 8, hq=4, hkv=2, d=16, dtype=torch.bfloat16, causal=True)
     # (10, 0) at 8-token chunks: at cp 4 two ranks' blocks are exclusive (bf16 returns) and two

@@ -29,10 +29,9 @@ import torch.distributed as dist
 
 from ..calls import backward_into, stream_order, write_calls
 from ..doc_geometry import stream_calls
-from ..merge import new_accumulator
+from ..merge import GradAccumulator, new_accumulator
 from ..spec import grad_dtype
 from ..transport import all_to_all
-from .grad_accum import GradAccumulator
 from .guard import guarded
 
 

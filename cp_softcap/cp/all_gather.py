@@ -21,10 +21,9 @@ import torch
 
 from ..doc_geometry import gathered_calls
 from ..layout import plan_pair
-from ..merge import new_accumulator
+from ..merge import GradAccumulator, new_accumulator
 from ..transport import all_gather, reduce_scatter, wait
 from ..calls import backward_into, prepare_backward, stream_order, write_calls
-from .grad_accum import GradAccumulator
 from .guard import shard_function
 from .packing import pack, unpack
 

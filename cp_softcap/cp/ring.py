@@ -37,10 +37,9 @@ from __future__ import annotations
 
 import torch
 
-from ..merge import merge_into, new_accumulator
+from ..merge import GradAccumulator, merge_into, new_accumulator
 from ..transport import Exchange
 from .. import calls as geo
-from .grad_accum import GradAccumulator
 from .guard import shard_function
 
 

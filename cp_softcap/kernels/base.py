@@ -15,7 +15,7 @@ Every kernel (one file each in this package) subclasses `Kernel` and implements:
         D = rowsum(dO * O). Gradients come in the kernel's own dtype, `partial_dtype(q.dtype)`:
         the input dtype for kernels that compute them there (flash-attn), the accumulation dtype
         (float32; float64 for float64) otherwise. Callers that sum several partials widen while
-        adding (cp/grad_accum.py); a single call casts once.
+        adding (merge.GradAccumulator); a single call casts once.
     partial_dtype(dtype) -> dtype of backward's gradients for inputs of `dtype`
         (from caps.grads_in_input_dtype). The CP algorithms size their gradient messages by it.
     prepare_backward(dout, out, dlse, dtype) -> (dout, out, dlse)      [optional]
