@@ -12,9 +12,10 @@ TFLOP/s are of the VISIBLE area only (the (query, key) pairs attention computes)
     forward + backward = 3.5 x forward.
 The baseline is one dense causal cuDNN call whose length S has about the same area
 (S = sqrt(2 * area), rounded to 128), rated by the same formula on its own area, so
-"% cuDNN" compares rates, not times. The row "fa4-kernel-nocap" is FA4's own varlen function on
-the same documents without softcap and without the library: the ceiling of the document
-structure, so a gap splits into the kernel's share and the library's. Writes packed_kernels[_tag].json and .png.
+"% cuDNN" compares rates, not times. The rows "fa4-kernel" and "fa4-kernel-nocap" are FA4's own
+varlen function on the same documents without the library, with the library's softcap and
+without any: a gap to cuDNN splits into the document structure's share (nocap), the softcap's
+and the library's. Writes packed_kernels[_tag].json and .png.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from benchmarks.kernels import MODELS, cudnn_baseline                 # noqa: E4
 from benchmarks.packing_balance import mix                            # noqa: E402
 
 MIXES = ("long-tail", "short")
-RAW = "fa4-kernel-nocap"
+RAW = {"fa4-kernel": True, "fa4-kernel-nocap": False}     # FA4 alone: with --softcap or none
 
 
 def visible_area(cu: List[int]) -> int:
@@ -57,19 +58,24 @@ def packed_call(name, q, k, v, cu, softcap, backward: bool):
     return run
 
 
-def fa4_raw_call(q, k, v, cu, backward: bool):
-    """FA4's own varlen function, no softcap, no library in between: the rate this document
-    structure allows the kernel (its per-document tiles and launches), to tell the library's
-    share of a gap to cuDNN from the kernel's."""
+def fa4_raw_call(q, k, v, cu, softcap, backward: bool):
+    """FA4's own varlen function with no library in between, with the softcap as the library
+    applies it (softcap_kwargs) or without one (softcap None): the rate this document structure
+    allows the kernel (its per-document tiles and launches), to tell the library's share of a
+    gap to cuDNN from the kernel's."""
     from flash_attn.cute.interface import flash_attn_varlen_func
+
+    from cp_softcap.kernels._common import cuda_arch
+    from cp_softcap.kernels.fa4_softcap import softcap_kwargs
     cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
     longest = max(b - a for a, b in zip(cu, cu[1:]))
     qg, kg, vg = (t[0].detach().requires_grad_(backward) for t in (q, k, v))
     dout = torch.randn_like(qg)
+    kw = softcap_kwargs("score_mod", cuda_arch(q.device), q.shape[-1] ** -0.5, softcap, backward)
 
     def run():
         out = flash_attn_varlen_func(qg, kg, vg, cu_seqlens_q=cu_t, cu_seqlens_k=cu_t,
-                                     max_seqlen_q=longest, max_seqlen_k=longest, causal=True)
+                                     max_seqlen_q=longest, max_seqlen_k=longest, causal=True, **kw)
         out = out[0] if isinstance(out, tuple) else out
         if backward:
             out.backward(dout)
@@ -95,8 +101,9 @@ def main(argv=None) -> int:
     p.add_argument("--total", type=int, default=131072, help="tokens in the packed stream")
     p.add_argument("--mixes", nargs="+", default=list(MIXES), choices=MIXES)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--kernels", nargs="+", default=["fa4", RAW, "fa2", "flex"],
-                   help=f"library backends, and {RAW!r}: FA4's varlen function alone, no softcap")
+    p.add_argument("--kernels", nargs="+", default=["fa4", *RAW, "fa2", "flex"],
+                   help=f"library backends, and {' / '.join(RAW)}: FA4's varlen function alone, "
+                        "with the library's softcap or none")
     p.add_argument("--softcap", type=float, default=50.0)
     p.add_argument("--rep-ms", type=int, default=150)
     p.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
@@ -135,14 +142,14 @@ def main(argv=None) -> int:
                                      needs_backward=bwd, documents=True)
                     rec = dict(model=model, mix=kind, docs=len(cu) - 1, kernel=name, mode=mode,
                                total=a.total, area=area, softcap=a.softcap)
-                    reason = rejection("fa4" if name == RAW else name, spec)
+                    reason = rejection("fa4" if name in RAW else name, spec)
                     if reason:
                         records.append({**rec, "skipped": reason})
                         rows.append([model, kind, len(cu) - 1, name, mode, "skip", reason[:40], ""])
                         continue
                     try:
-                        call = (fa4_raw_call(q, k, v, cu, bwd) if name == RAW
-                                else packed_call(name, q, k, v, cu, a.softcap, bwd))
+                        call = (fa4_raw_call(q, k, v, cu, a.softcap if RAW[name] else None, bwd)
+                                if name in RAW else packed_call(name, q, k, v, cu, a.softcap, bwd))
                         ms = bench_ms(call, rep_ms=a.rep_ms)
                     except Exception as e:          # report it, keep measuring the others
                         msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
