@@ -30,7 +30,7 @@ def _worker(rank, world, backend, dtype, comms, window):
 
     import cp_softcap as cps
     from cp_softcap.sharding import packed_len, shard, unshard
-    from cp_softcap.testing import check_against_reference, reference_attention, rel_err, saturating_qkv
+    from cp_softcap.testing import check_against_reference, reference_with_grads, rel_err, saturating_qkv
     cu = [0]
     for n in DOCS:
         cu.append(cu[-1] + n)
@@ -40,15 +40,10 @@ def _worker(rank, world, backend, dtype, comms, window):
     q, k, v, _ = saturating_qkv(1, n, n, 4, 2, 128, dtype, cap, requires_grad=False)
     dout = torch.randn(q.shape, dtype=torch.float64).to(dtype)
 
-    def reference(bounds, out_used=None):
-        leaves = [t.double().requires_grad_() for t in (q, k, v)]
-        out, lse = reference_attention(*leaves, cu_seqlens=bounds, softcap=cap, causal=True,
-                                       window=window or (None, None))
-        loss = (out * dout.double()).sum()
-        if out_used is not None:    # rounding-aware, as reference_with_grads(out_used=...)
-            shift = ((out_used.double() - out.detach()) * dout.double()).sum(-1).transpose(1, 2)
-            loss = loss - torch.where(lse.isfinite(), lse * shift, torch.zeros_like(lse)).sum()
-        return out.detach(), torch.autograd.grad(loss, leaves)
+    def reference(bounds, out_used=None):      # out_used: rounding-aware (see reference_with_grads)
+        out, _, grads = reference_with_grads(q, k, v, dout, softcap=cap, causal=True, window=window,
+                                             cu_seqlens=bounds, out_used=out_used)
+        return out, grads
     ref_out, ref_grads = reference(cu)
     dropped, _ = reference([0, cu[-1]])
     hybrid = cps.make_hybrid_groups(None, 2) if "a2a+p2p" in comms else None

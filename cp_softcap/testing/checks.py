@@ -132,7 +132,7 @@ def reference_with_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout
                          softcap: Optional[float] = None, causal: bool = False, window=None,
                          scale: Optional[float] = None, dlse: Optional[torch.Tensor] = None,
                          bottom_right: bool = True, q_pos=None, k_pos=None,
-                         out_used: Optional[torch.Tensor] = None):
+                         out_used: Optional[torch.Tensor] = None, cu_seqlens=None):
     """Float64 autograd reference: (out, lse, (dq, dk, dv)) for loss = <out, dout> (+ <lse, dlse>).
 
     Inputs are the (possibly 16-bit) tensors the kernel saw; they are upcast exactly. With
@@ -143,14 +143,17 @@ def reference_with_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout
     D_i = rowsum(dO_i * O_i) - dLSE_i; using a rounded O shifts D by rowsum(dO * (O_used - O)),
     which is exactly the gradient of an extra LSE term. With out_used, the reference returns the
     exact gradient of that shifted loss ("rounding-aware"), so the comparison isolates the
-    kernel's own arithmetic from the unavoidable rounding of O."""
+    kernel's own arithmetic from the unavoidable rounding of O.
+
+    cu_seqlens: packed documents (as reference_attention takes them; positions then count from
+    each document's start, and bottom_right does not apply)."""
     sq, sk = q.shape[1], k.shape[1]
-    if q_pos is None and k_pos is None and bottom_right:
+    if q_pos is None and k_pos is None and bottom_right and cu_seqlens is None:
         q_pos, k_pos = bottom_right_positions(sq, sk)
     leaves = [x.detach().to(torch.float64).requires_grad_(True) for x in (q, k, v)]
     with torch.enable_grad():
         out, lse = reference_attention(*leaves, softcap=softcap, causal=causal, window=window,
-                                       scale=scale, q_pos=q_pos, k_pos=k_pos)
+                                       scale=scale, q_pos=q_pos, k_pos=k_pos, cu_seqlens=cu_seqlens)
         dout64 = dout.detach().to(torch.float64)
         loss = (out * dout64).sum()
         eff = None if dlse is None else dlse.detach().to(torch.float64)
