@@ -19,60 +19,9 @@ if not torch.cuda.is_available():
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests_dist"))
 from harness import run_ranks  # noqa: E402
+from packed_cp_check import worker  # noqa: E402
 
 pytestmark = pytest.mark.cuda
-
-DOCS = [1, 39, 560, 5, 295, 90]         # a rank's share is 512 at cp 2: the 560-token document crosses
-
-
-def _worker(rank, world, backend, dtype, comms, window):
-    import torch.distributed as dist
-
-    import cp_softcap as cps
-    from cp_softcap.sharding import packed_len, shard, unshard
-    from cp_softcap.testing import check_against_reference, reference_with_grads, rel_err, saturating_qkv
-    cu = [0]
-    for n in DOCS:
-        cu.append(cu[-1] + n)
-    s, cap = cu[-1] + 14, 30.0
-    n = packed_len(s, world)
-    torch.manual_seed(4321)
-    q, k, v, _ = saturating_qkv(1, n, n, 4, 2, 128, dtype, cap, requires_grad=False)
-    dout = torch.randn(q.shape, dtype=torch.float64).to(dtype)
-
-    def reference(bounds, out_used=None):      # out_used: rounding-aware (see reference_with_grads)
-        out, _, grads = reference_with_grads(q, k, v, dout, softcap=cap, causal=True, window=window,
-                                             cu_seqlens=bounds, out_used=out_used)
-        return out, grads
-    ref_out, ref_grads = reference(cu)
-    dropped, _ = reference([0, cu[-1]])
-    hybrid = cps.make_hybrid_groups(None, 2) if "a2a+p2p" in comms else None
-    report = {}
-    for comm in comms:
-        group = hybrid if comm == "a2a+p2p" else dist.group.WORLD
-        local = [shard(t[:, :s], world, rank, cu_seqlens=cu).cuda().requires_grad_() for t in (q, k, v)]
-        out = cps.cp_attention(*local, group, comm=comm, backend=backend, softcap=cap, causal=True,
-                               window=window, cu_seqlens=cu)
-        out.backward(shard(dout[:, :s], world, rank, cu_seqlens=cu).cuda())
-        grads = [t.grad.cpu() for t in local]
-        # Every flash kernel returns its forward O in bf16, so the merged O of a row that one
-        # call serves (every row of a short document) is already rounded, and the backward's
-        # D = rowsum(dO * O) uses it (fa4's dLSE correction only undoes the float32 merge's cast).
-        # On a row with 2 visible keys under the saturating cap that alone gives dq/dk 0.030/0.035
-        # against the exact gradients (measured on CPU with a stand-in that rounds as the kernels
-        # do; rounding P, dS and the per-call gradients adds at most 0.005). So the gradients are
-        # held to the rounding-aware reference (O = the returned out), and to the exact one at
-        # 'grad_exact' for gross errors.
-        outs = [torch.empty(out.shape, dtype=torch.float32) for _ in range(world)]
-        dist.all_gather(outs, out.detach().cpu().float())
-        _, aware = reference(cu, out_used=unshard(outs, cu_seqlens=cu))
-        errs = check_against_reference(out.detach().cpu(), grads, shard(ref_out, world, rank, cu_seqlens=cu),
-                                       [shard(g, world, rank, cu_seqlens=cu) for g in aware], dtype,
-                                       label=f"rank {rank} {backend} {comm} {window}", tol_scale=2.0,
-                                       exact_grads=[shard(g, world, rank, cu_seqlens=cu) for g in ref_grads])
-        errs["dropped"] = rel_err(out.detach().cpu(), shard(dropped, world, rank, cu_seqlens=cu))
-        report[comm] = errs
-    return report
 
 
 def _skip_unless(backend, dtype):
@@ -97,7 +46,7 @@ def _skip_unless(backend, dtype):
 ])
 def test_packed_cp_on_one_gpu(backend, dtype, world, comms, window):
     _skip_unless(backend, dtype)
-    reports = run_ranks(_worker, world, backend, dtype, comms, window, timeout=500)
+    reports = run_ranks(worker, world, backend, dtype, comms, window, "cuda", timeout=500)
     for comm in comms:
         worst = max(max(v for k, v in r[comm].items() if k != "dropped") for r in reports)
         dropped = max(r[comm]["dropped"] for r in reports)
@@ -116,7 +65,7 @@ def test_packed_cp_over_nccl(backend, world, comms, window):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs for one rank per GPU, have {torch.cuda.device_count()}")
     _skip_unless(backend, torch.bfloat16)
-    reports = run_ranks(_worker, world, backend, torch.bfloat16, comms, window, timeout=400,
+    reports = run_ranks(worker, world, backend, torch.bfloat16, comms, window, "cuda", timeout=400,
                         backend="nccl")
     for comm in comms:
         dropped = max(r[comm]["dropped"] for r in reports)
