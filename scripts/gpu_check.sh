@@ -39,7 +39,8 @@
 #                                      #   geometries), GPU tests that need neither fa4 nor fa2
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh pk2
 #                                      # call 2, carry [".fa4b"] (with .fa2 it is over the carry
-#                                      #   limit): fa4 varlen tests, every fa4 kernel, autocast, CP test
+#                                      #   limit): fa4 varlen tests, every fa4 kernel and autocast test
+#   bash scripts/gpu_check.sh pk2b     # same machine: every CP test on one GPU (packed, unpacked)
 #   bash scripts/gpu_check.sh pk3      # call 3 (same machine, carry [".fa2"]): installs flash-attn
 #                                      #   2; packed kernels vs cuDNN, cp_sim --packed with fa4, 27B
 #                                      #   per-call profile
@@ -248,11 +249,13 @@ if [ "$phase" = pk1 ]; then
 fi
 if [ "$phase" = pk2 ]; then
   step "GPU tests: fa4 varlen (segments), fa4 kernels, autocast"
-  timeout 300 $PY -m pytest tests/test_gpu_segments.py tests/test_gpu_kernels.py tests/test_gpu_autocast.py \
+  timeout 500 $PY -m pytest tests/test_gpu_segments.py tests/test_gpu_kernels.py tests/test_gpu_autocast.py \
       tests/test_kernel_adapters.py -v -rf --tb=short -n 8 -p no:cacheprovider -k "fa4 or auto" 2>&1 \
       | tee "$OUT/pytest_pk2_kernels.log" | verdicts || rc=1
+fi
+if [ "$phase" = pk2b ]; then                    # same machine, fa4 installed by pk2
   step "GPU CP tests: packed and unpacked, every comm type, 2 and 4 ranks on one GPU"
-  timeout 280 $PY -m pytest tests/test_gpu_packed_cp.py tests/test_gpu_cp.py -v -rf --tb=short -n 6 \
+  timeout 500 $PY -m pytest tests/test_gpu_packed_cp.py tests/test_gpu_cp.py -v -rf --tb=short -n 6 \
       -p no:cacheprovider -k "not fa2" 2>&1 | tee "$OUT/pytest_pk2_cp.log" | verdicts || rc=1
 fi
 if [ "$phase" = pk3 ]; then
