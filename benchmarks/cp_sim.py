@@ -176,6 +176,23 @@ def packed_full(kernel, cu, seq_len, window, hq, hkv, d, dtype, dev, softcap, ba
     return run
 
 
+def profile_packed(a, kernel, lay, window, rank, mode, hq, hkv, d, dtype, dev) -> dict:
+    """The busiest rank's device time by kernel next to the full packed call's, and its host
+    time: where the rank's time beyond full / cp goes (kernel rate, merges, copies, launches)."""
+    sim = PackedRankSim(kernel, lay, window, hq, hkv, d, dtype, dev, a.softcap, rank)
+    fn = sim.forward if mode == "fwd" else sim.forward_backward
+    full_fn = packed_full(kernel, lay.cu_seqlens, lay.seq_len, window, hq, hkv, d, dtype, dev,
+                          a.softcap, mode == "fwd+bwd")
+    out = dict(profile_rank=rank, profile=profile_top(fn), profile_full=profile_top(full_fn),
+               rank_host_ms=host_ms(fn))
+    for who, prof in (("rank", out["profile"]), ("full", out["profile_full"])):
+        print(f"--- packed {mode}, {who}{' ' + str(rank) if who == 'rank' else ''}: busy "
+              f"{prof['busy_ms']:.3f} ms" + (f", host {out['rank_host_ms']:.3f} ms" if who == "rank" else ""))
+        for t in prof["top"]:
+            print(f"  {t['ms']:8.3f} ms  x{t['calls']:<5g} {t['name']}")
+    return out
+
+
 def run_packed(a, kernel, name, hq, hkv, d, dtype, dev) -> int:
     """--packed: every rank of the packed and the zigzag layout vs the full packed attention."""
     from benchmarks.packing_balance import fixed_layout, mix
@@ -214,6 +231,9 @@ def run_packed(a, kernel, name, hq, hkv, d, dtype, dev) -> int:
                                         chunks_per_rank=lay.chunks_per_rank, calls=calls,
                                         rank_ms=per[m], busiest_ms=busiest, full_ms=full[m],
                                         ideal_ms=full[m] / cp, ratio=ratio))
+                    if a.profile and lname == "packed":
+                        records[-1].update(profile_packed(a, kernel, lay, window, per[m].index(busiest),
+                                                          m, hq, hkv, d, dtype, dev))
                     rows.append([s, len(cu) - 1, cp, lname, f"{lay.imbalance:.3f}", m, max(calls),
                                  f"{busiest:.3f}", f"{full[m]:.3f}", f"{ratio:.3f}"])
     meta = dict(kernel=name, heads=[hq, hkv, d], softcap=a.softcap, dtype=str(dtype), batch=1,
