@@ -46,13 +46,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cp_softcap.calls import prepare_backward                        # noqa: E402
-from cp_softcap.merge import GradAccumulator                 # noqa: E402
 from cp_softcap.cp.ring import backward_calls, forward_calls, return_dtype  # noqa: E402
 from cp_softcap.kernels import get_kernel                           # noqa: E402
 from cp_softcap.kernels.base import grad_dtype                      # noqa: E402
 from cp_softcap.layout import (PairCall, block_exclusive, block_plan, key_range, plan_step,  # noqa: E402
                                ring_blocks)
-from cp_softcap.merge import new_accumulator                        # noqa: E402
+from cp_softcap.merge import GradAccumulator, new_accumulator       # noqa: E402
 from cp_softcap.spec import make_spec                               # noqa: E402
 from cp_softcap.selector import select                              # noqa: E402
 from benchmarks._util import OUT_DIR_HELP, out_dir_for, bench_ms, report, save, table  # noqa: E402
@@ -143,15 +142,17 @@ class RankSim(_RingRankSim):
 
 
 class PackedRankSim(_RingRankSim):
-    """Rank `rank` of a ring over a PackedLayout: self call plus one block per ring step
-    (doc_geometry.block_plan), with random K/V buffers of the received sizes. No communication.
-    Its blocks' dK/dV partials stay in the gradient dtype and no partials come back."""
+    """Rank `rank` of a ring over a PackedLayout: self call plus the ring's blocks (consecutive
+    steps coalesced as the library does for `keys` = CP_SOFTCAP_RING_BLOCK_KEYS,
+    layout.ring_blocks; doc_geometry.block_plan), with random K/V buffers of the received sizes.
+    No communication. Its blocks' dK/dV partials stay in the gradient dtype and no partials
+    come back."""
 
-    def __init__(self, kernel, layout, window, hq, hkv, d, dtype, dev, softcap, rank):
+    def __init__(self, kernel, layout, window, hq, hkv, d, dtype, dev, softcap, rank, keys):
         super().__init__(kernel, layout.local_len, hq, hkv, d, dtype, dev, softcap)
         self.self_calls = dgeo.step_calls(layout, rank, rank, window)
-        for step in range(1, layout.cp):
-            slots, calls = dgeo.block_plan(layout, rank, window, (step,))
+        for steps in ring_blocks(layout.cp, layout.local_len, keys):
+            slots, calls = dgeo.block_plan(layout, rank, window, steps)
             n = sum(sl.size for sl in slots)
             if calls:
                 self.blocks.append((self._rand(n, hkv), self._rand(n, hkv), calls, [], [],
@@ -179,7 +180,7 @@ def packed_full(kernel, cu, seq_len, window, hq, hkv, d, dtype, dev, softcap, ba
 def profile_packed(a, kernel, lay, window, rank, mode, hq, hkv, d, dtype, dev) -> dict:
     """The busiest rank's device time by kernel next to the full packed call's, and its host
     time: where the rank's time beyond full / cp goes (kernel rate, merges, copies, launches)."""
-    sim = PackedRankSim(kernel, lay, window, hq, hkv, d, dtype, dev, a.softcap, rank)
+    sim = PackedRankSim(kernel, lay, window, hq, hkv, d, dtype, dev, a.softcap, rank, a.packed_keys)
     fn = sim.forward if mode == "fwd" else sim.forward_backward
     full_fn = packed_full(kernel, lay.cu_seqlens, lay.seq_len, window, hq, hkv, d, dtype, dev,
                           a.softcap, mode == "fwd+bwd")
@@ -194,7 +195,10 @@ def profile_packed(a, kernel, lay, window, rank, mode, hq, hkv, d, dtype, dev) -
 
 
 def run_packed(a, kernel, name, hq, hkv, d, dtype, dev) -> int:
-    """--packed: every rank of the packed and the zigzag layout vs the full packed attention."""
+    """--packed: every rank of the packed and the zigzag layout vs the full packed attention.
+    The ring's blocks coalesce steps as the library would here (CP_SOFTCAP_RING_BLOCK_KEYS)."""
+    from cp_softcap.settings import ring_block_keys
+    a.packed_keys = ring_block_keys()
     from benchmarks.packing_balance import fixed_layout, mix
     from cp_softcap.documents import packed_layout
     window = (a.window, 0)
@@ -214,7 +218,8 @@ def run_packed(a, kernel, name, hq, hkv, d, dtype, dev) -> int:
                 per = {m: [] for m in full}
                 calls = []
                 for r in range(cp):
-                    sim = PackedRankSim(kernel, lay, window, hq, hkv, d, dtype, dev, a.softcap, r)
+                    sim = PackedRankSim(kernel, lay, window, hq, hkv, d, dtype, dev, a.softcap, r,
+                                        a.packed_keys)
                     calls.append(sim.calls)
                     for m in full:
                         per[m].append(bench_ms(sim.forward if m == "fwd" else sim.forward_backward,
@@ -237,7 +242,7 @@ def run_packed(a, kernel, name, hq, hkv, d, dtype, dev) -> int:
                     rows.append([s, len(cu) - 1, cp, lname, f"{lay.imbalance:.3f}", m, max(calls),
                                  f"{busiest:.3f}", f"{full[m]:.3f}", f"{ratio:.3f}"])
     meta = dict(kernel=name, heads=[hq, hkv, d], softcap=a.softcap, dtype=str(dtype), batch=1,
-                window=a.window, mix=a.packed, seed=0,
+                window=a.window, mix=a.packed, seed=0, block_keys=a.packed_keys,
                 ratio="busiest rank time / (full packed attention time / cp), same kernel, "
                       "no communication")
     stem = f"cp_sim_packed_{a.packed}" + (f"_{a.tag}" if a.tag else "")
