@@ -53,8 +53,12 @@ def main():
         print(f"{r['geometry']:<20} d={r['d']:<3} {r['hq']}/{r['hkv']} force={int(r['force'])} "
               f"{'ok' if r['ok'] else 'FAIL ' + r['error']}")
     path = os.path.join(os.environ.get("OUT", "."), "flex_compile_probe.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
+    import torch                        # after the workers: they spawn their own CUDA contexts
+    meta = dict(torch=torch.__version__, device=torch.cuda.get_device_name(),
+                question="does flex compile small packed geometries with inductor's own choice "
+                         "(force=False) and with the main kernel forced (force=True)?")
+    with open(path, "w") as f:          # {meta, records}, as every file in benchmarks/results/
+        json.dump(dict(meta=meta, records=res), f, indent=1)
     print("wrote", path)
 
 
