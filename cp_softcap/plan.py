@@ -308,8 +308,8 @@ def plan_for(q, k, v, group, *, softcap, causal, window, scale, comm: str, backe
     key = _call_key(q, k, v, ("cp", comm, backend) + rest, (softcap, causal, window, scale),
                     cu_seqlens) if _cacheable(root) else None
     hit = _recall(root, key)
-    # a CP plan's groups died with destroy_process_group(): plan in full, which says so
-    if hit is not None and (not hit[1] or dist.is_initialized()):
+    # after destroy_process_group() a call with a group is planned in full, which says so
+    if hit is not None and (root is _ONE_DEVICE or dist.is_initialized()):
         plan, groups = hit
         if groups:
             every_call = call_settings()[1]
@@ -387,7 +387,8 @@ def _recall(root, key) -> Optional[tuple]:
 
 def _memo(root, key, plan: Plan, groups: tuple) -> None:
     """Remember (plan, groups) for `key`; keys with boundaries (key[0]) are evicted oldest first
-    beyond MAX_PACKED_PLANS per group, as in _remember."""
+    beyond MAX_PACKED_PLANS per group, as in _remember, and any key beyond MAX_CALL_PLANS (calls
+    whose shapes keep changing, e.g. a growing KV length, must not grow the cache forever)."""
     if key is None:
         return
     calls = _CALLS.setdefault(root, {})
@@ -399,6 +400,8 @@ def _memo(root, key, plan: Plan, groups: tuple) -> None:
         packed = [kk for kk in calls if kk[0] is not None]
         for old in packed[:-MAX_PACKED_PLANS]:
             del calls[old]
+    while len(calls) > MAX_CALL_PLANS:
+        del calls[next(iter(calls))]
 
 
 def planning_inputs() -> Tuple[str, ...]:
@@ -517,6 +520,7 @@ def _cp_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple, c
 
 
 MAX_PACKED_PLANS = 16               # per group: packed boundaries change every training step
+MAX_CALL_PLANS = 256                # per group (or one device): raw calls remembered
 
 
 def _remember(plans: dict, key: tuple, plan: Plan) -> None:

@@ -106,3 +106,13 @@ def test_plan_decides_the_accumulation_and_partial_dtypes():
         assert plan.grad_dtype == acc and plan.partial_dtype == TorchKernel().partial_dtype(dtype)
         assert dataclasses.replace(plan, comm="ring").grad_dtype == acc
     assert planning.Plan(spec, 1, 8, "fa2", None, None).partial_dtype is None
+
+
+def test_raw_call_cache_stays_bounded_when_shapes_keep_changing():
+    """A key length that grows every call (as in decoding) must not grow the cache forever."""
+    from cp_softcap import plan as plan_mod
+    q = torch.randn(1, 1, 2, 8)
+    for n in range(1, plan_mod.MAX_CALL_PLANS + 40):
+        kv = torch.randn(1, n, 2, 8)
+        cps.attention(q, kv, kv, softcap=30.0)
+    assert len(plan_mod._CALLS[plan_mod._ONE_DEVICE]) <= plan_mod.MAX_CALL_PLANS

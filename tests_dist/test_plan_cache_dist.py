@@ -22,6 +22,8 @@ def _destroyed_worker(rank, world):
 
 def test_warm_call_after_destroy_process_group_fails_as_a_cold_one():
     """After destroy_process_group() a warm call raises the library's error (as the first call
-    of that signature would), not whatever the destroyed group does when used."""
-    for message in run_ranks(_destroyed_worker, 2):
-        assert "torch.distributed is not initialised" in message, message
+    of that signature would), not whatever the destroyed group does when used; also on a group
+    of one rank, whose plan is a one-device plan."""
+    for world in (2, 1):
+        for message in run_ranks(_destroyed_worker, world):
+            assert "torch.distributed is not initialised" in message, (world, message)

@@ -7,9 +7,8 @@ Takes train.py's flags (--fused is ignored: every variant is tried). One model i
 each variant (all PyTorch; one Liger piece at a time; all four) it runs --warm untimed steps,
 then --steps timed ones, and records the median step time, tokens/s, MFU (flops.py) and
 torch.cuda.max_memory_allocated over the variant's steps (or the out-of-memory error of a variant
-that does not fit; the others still run). Then it profiles two steps of the last
-variant and prints the kernels with the most GPU time (--profile-table writes the table to a
-file). On CPU the Liger variants are skipped (Liger's kernels are GPU-only).
+that does not fit; the others still run). Then it profiles two steps of the last variant that
+fits and prints the kernels with the most GPU time (--profile-table writes the table to a file). On CPU the Liger variants are skipped (Liger's kernels are GPU-only).
 """
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -90,6 +90,12 @@ def main(argv=None) -> None:
     if extra.json and d.rank == 0:
         with open(extra.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in lines)
+    fit = [r for r in lines if "error" not in r]
+    if not fit:
+        print("no variant fits: no profile", flush=True)
+        dist.destroy_process_group()
+        return
+    fused.apply(model, tuple(fit[-1]["liger"]))     # profile the last variant that fits
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
@@ -100,12 +106,11 @@ def main(argv=None) -> None:
             torch.cuda.synchronize(d.device)
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=extra.top, max_name_column_width=70)
-    head = f"top kernels by {key}, 2 steps, variant {lines[-1]['variant']}, {' '.join(rest)}\n"
+    head = f"top kernels by {key}, 2 steps, variant {fit[-1]['variant']}, {' '.join(rest)}\n"
     print(head + table, flush=True)
     if extra.profile_table and d.rank == 0:
         with open(extra.profile_table, "w") as f:
             f.write(head + table)
-    import torch.distributed as dist
     dist.destroy_process_group()
 
 
