@@ -145,18 +145,26 @@ class PackedRankSim(_RingRankSim):
     """Rank `rank` of a ring over a PackedLayout: self call plus the ring's blocks (consecutive
     steps coalesced as the library does for `keys` = CP_SOFTCAP_RING_BLOCK_KEYS,
     layout.ring_blocks; doc_geometry.block_plan), with random K/V buffers of the received sizes.
-    No communication. Its blocks' dK/dV partials stay in the gradient dtype and no partials
-    come back."""
+    No communication. As the ring does, each block's dK/dV partials are summed in the dtype the
+    rank sends them back in (ring.return_dtype), and the partials the peers return for this
+    rank's keys (the ranges doc_geometry.send_ranges gave them) are added into its dK/dV."""
 
     def __init__(self, kernel, layout, window, hq, hkv, d, dtype, dev, softcap, rank, keys):
         super().__init__(kernel, layout.local_len, hq, hkv, d, dtype, dev, softcap)
         self.self_calls = dgeo.step_calls(layout, rank, rank, window)
+        rdt = lambda r, steps: return_dtype(kernel.partial_dtype(dtype), grad_dtype(dtype),  # noqa: E731
+                                            dgeo.block_exclusive(layout, r, window, steps))
         for steps in ring_blocks(layout.cp, layout.local_len, keys):
             slots, calls = dgeo.block_plan(layout, rank, window, steps)
             n = sum(sl.size for sl in slots)
-            if calls:
-                self.blocks.append((self._rand(n, hkv), self._rand(n, hkv), calls, [], [],
-                                    grad_dtype(dtype)))
+            # the peers that received our keys in these steps return their partials for them
+            back = [((k0, k1), rdt(p, steps)) for p in ((rank + st) % layout.cp for st in steps)
+                    for k0, k1 in dgeo.send_ranges(layout, p, rank, window)]
+            if calls or back:
+                self.blocks.append((self._rand(n, hkv), self._rand(n, hkv), calls,
+                                    [torch.randn(1, k1 - k0, hkv, d, device=dev).to(dt)
+                                     for (k0, k1), dt in back],
+                                    [kr for kr, _ in back], rdt(rank, steps)))
 
 
 def packed_full(kernel, cu, seq_len, window, hq, hkv, d, dtype, dev, softcap, backward):
