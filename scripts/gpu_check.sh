@@ -277,6 +277,10 @@ if [ "$phase" = pk3 ]; then
   timeout 90 $PY benchmarks/cp_sim.py $bench_args --rep-ms 60 --seqs 32768 --cps 8 --block-keys 32768 \
       --per-call --tag percall_9b 2>&1 | tail -16 || rc=1
   cp $bench_out/cp_sim_profile_27b.json $bench_out/cp_sim_percall_9b.json "$OUT/" 2>/dev/null
+  step "cp_sim: Gemma2's local layers (window 4095), 9B heads, 32K, cp 8, host time and CUDA-graph replay"
+  timeout 90 $PY benchmarks/cp_sim.py $bench_args --rep-ms 60 --seqs 32768 --cps 8 --block-keys 32768 \
+      --window 4095 --graph --tag window 2>&1 | tail -6 || rc=1
+  cp $bench_out/cp_sim_window.json "$OUT/" 2>/dev/null
 fi
 if [ "$phase" = pk4 ]; then                     # flash-attn 2 installed by pk3 on this machine
   step "GPU tests with flash-attn 2: kernels, segments, autocast, packed and unpacked CP"
