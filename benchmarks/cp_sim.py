@@ -45,7 +45,6 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cp_softcap.calls import prepare_backward                        # noqa: E402
 from cp_softcap.cp.ring import backward_calls, forward_calls, return_dtype  # noqa: E402
 from cp_softcap.kernels import get_kernel                           # noqa: E402
 from cp_softcap.kernels.base import grad_dtype                      # noqa: E402
@@ -93,7 +92,7 @@ class _RingRankSim:
         kw = (self.kernel, self.scale, self.softcap)
         out, lse = self.forward()
         gdt = grad_dtype(self.q.dtype)
-        dout, out, dlse = prepare_backward(self.kernel, self.dout, out, self.q.dtype)
+        dout, out, dlse = self.kernel.prepare_backward(self.dout, out, None, self.q.dtype)
         dq, dk, dv = (GradAccumulator(t.shape, gdt, self.q.device)
                       for t in (self.q, self.k, self.v))
         backward_calls(dout, self.q, self.k, self.v, out, lse, dlse, self.self_calls, *kw,
@@ -178,7 +177,7 @@ def packed_full(kernel, cu, seq_len, window, hq, hkv, d, dtype, dev, softcap, ba
         acc_o, acc_l = new_accumulator(q.shape, v.shape[-1], grad_dtype(dtype), q.device)
         forward_calls(q, k, v, calls, *kw, acc_o, acc_l)
         if backward:
-            g, o, dl = prepare_backward(kernel, dout, acc_o, dtype)
+            g, o, dl = kernel.prepare_backward(dout, acc_o, None, dtype)
             acc = [GradAccumulator(t.shape, grad_dtype(dtype), q.device) for t in (q, k, v)]
             backward_calls(g, q, k, v, o, acc_l, dl, calls, *kw, *acc)
             [a.result() for a in acc]

@@ -81,11 +81,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: Opt
     """
     plan = local_plan_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
                           backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens)
-    out, lse = _one_device(q, k, v, plan)
+    out, lse = _run_one_device(q, k, v, plan)
     return (out, lse) if return_lse else out
 
 
-def _one_device(q, k, v, plan: Plan):
+def _run_one_device(q, k, v, plan: Plan):
     """(out, lse) of a one-device plan."""
     if plan.comm == "packed":
         return packed_attention(q, k, v, plan, plan.boundaries)
@@ -140,7 +140,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, 
                     comm=comm, backend=backend, cu_seqlens=cu_seqlens)
     if plan.comm in ALGORITHMS:
         return ALGORITHMS[plan.comm].apply(q, k, v, plan)
-    return _one_device(q, k, v, plan)[0]
+    return _run_one_device(q, k, v, plan)[0]
 
 
 class CPAttention(torch.nn.Module):

@@ -75,14 +75,6 @@ def write_calls(kernel, q, k, v, calls, scale, softcap, out, lse) -> None:
         lse[:, :, c.q0:c.q1] = l
 
 
-def prepare_backward(kernel, dout, out, dtype):
-    """(dout, out, dlse) for the backwards of many calls on the same rows: the kernel's
-    prepare_backward once (e.g. fa4 casts the float32 O and corrects D), else as they are."""
-    if kernel.prepare_backward is None:
-        return dout, out, None
-    return kernel.prepare_backward(dout, out, None, dtype)
-
-
 def backward_into(kernel, dout, q, k, v, out, lse, dlse, calls, scale, softcap, dq, dk, dv) -> None:
     """Backward of `calls`, adding into the GradAccumulators dq (rows) and dk/dv (keys)."""
     for c in calls:

@@ -18,7 +18,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from cp_softcap.kernels.torch_kernel import visible_mask  # noqa: E402
+from cp_softcap.kernels.base import visible_mask  # noqa: E402
 from gemma2 import flops  # noqa: E402
 from gemma2.config import get_config  # noqa: E402
 from gemma2.model import Gemma2, loss_sum  # noqa: E402

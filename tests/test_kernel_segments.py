@@ -5,8 +5,7 @@ import torch
 
 from cp_softcap.doc_geometry import DocCall, stream_calls
 from cp_softcap.kernels.base import Segments, check_segments, segment_ids
-from cp_softcap.kernels.torch_kernel import segment_block_visible
-from cp_softcap.kernels.torch_kernel import TorchKernel
+from cp_softcap.kernels.torch_kernel import TorchKernel, segment_block_visible
 from segment_checks import SEGMENT_CASES, SEGMENT_IDS, call_mask, check_segmented, inputs, run_kernel
 
 SMALL_BLOCKS = TorchKernel(block_q=16, block_k=24)

@@ -23,7 +23,7 @@ from ..doc_geometry import gathered_calls
 from ..layout import plan_pair
 from ..merge import GradAccumulator, new_accumulator
 from ..transport import all_gather, reduce_scatter, wait
-from ..calls import backward_into, prepare_backward, stream_order, write_calls
+from ..calls import backward_into, stream_order, write_calls
 from .guard import shard_function
 from .packing import pack, unpack
 
@@ -105,7 +105,7 @@ def all_gather_backward(dout, q, k, v, out, lse, plan):
         return _packed_backward(dout, q, k, v, out, lse, plan)
     kv = _Gathered(k, v, zz.group, zz.size, "all_gather.bwd.kv")
     # once per backward, not per call (e.g. fa4 casts the float32 O and corrects D here)
-    dout, out, dlse = prepare_backward(kernel, dout, out, q.dtype)
+    dout, out, dlse = kernel.prepare_backward(dout, out, None, q.dtype)
     gdt = plan.grad_dtype
     total = 2 * zz.size * zz.chunk
     dq = GradAccumulator(q.shape, gdt, q.device)
@@ -161,7 +161,7 @@ def _packed_forward(q, k, v, plan):
 def _packed_backward(dout, q, k, v, out, lse, plan):
     zz, spec, kernel = plan.zigzag, plan.spec, plan.kernel
     kg, vg = _gather_global(k, v, zz, "all_gather.bwd.kv")
-    dout, out, dlse = prepare_backward(kernel, dout, out, q.dtype)
+    dout, out, dlse = kernel.prepare_backward(dout, out, None, q.dtype)
     gdt = plan.grad_dtype
     dq = GradAccumulator(q.shape, gdt, q.device)
     dk, dv = (GradAccumulator(t.shape, gdt, q.device) for t in (kg, vg))

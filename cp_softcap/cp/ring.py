@@ -109,7 +109,7 @@ def ring_backward(dout, q, k, v, out, lse, plan):
     args = (kernel, plan.spec.scale, plan.spec.softcap)
     gdt, partial = plan.grad_dtype, plan.partial_dtype
     # Once per backward, not per chunk pair: e.g. fa4 casts the float32 O and corrects D here.
-    dout, out, dlse = geo.prepare_backward(kernel, dout, out, q.dtype)
+    dout, out, dlse = kernel.prepare_backward(dout, out, None, q.dtype)
     dq, dk, dv = (GradAccumulator(t.shape, gdt, q.device) for t in (q, k, v))
     post = lambda i: _Block(zz, "ring.bwd.kv", k, v, zz.blocks[i])  # noqa: E731
     pending = post(0) if zz.blocks else None

@@ -20,11 +20,9 @@ Every kernel (one file each in this package) subclasses `Kernel` and implements:
         (from caps.grads_in_input_dtype). The CP algorithms size their gradient messages by it.
     prepare_backward(dout, out, dlse, dtype) -> (dout, out, dlse)      [optional]
         Called once per backward by callers that run many chunk-pair backwards on the same rows
-        (ring, all_gather, through calls.prepare_backward); row slices of the results stay valid
-        for row slices of the inputs. fa4 uses it to cast the float32 O and correct D once
-        instead of per chunk pair, which was measured to matter on the GPU
-        (benchmarks/RESULTS.md). A kernel without it leaves `prepare_backward = None` (the
-        default): its backward takes (dout, out, dlse) as they are.
+        (ring, all_gather); row slices of the results stay valid for row slices of the inputs.
+        fa4 uses it to cast the float32 O and correct D once instead of per chunk pair, which
+        was measured to matter on the GPU (benchmarks/RESULTS.md). Default: unchanged.
 
 `segments` (packed documents) is None, or `Segments(cu_q, cu_k)` (a plain pair of int tuples
 works too): the call's rows and keys split into documents. Segment s is rows [cu_q[s], cu_q[s+1])
@@ -166,7 +164,28 @@ class Kernel:
         """dtype of backward()'s gradients for inputs of `dtype`."""
         return dtype if self.caps.grads_in_input_dtype else grad_dtype(dtype)
 
-    # Optional hook (see the module docstring): a method prepare_backward(dout, out, dlse, dtype)
-    # -> (dout, out, dlse) that converts once per backward what every chunk-pair backward would
-    # convert. None: the backward takes them as they are.
-    prepare_backward = None
+    def prepare_backward(self, dout: torch.Tensor, out: torch.Tensor,
+                         dlse: Optional[torch.Tensor], dtype: torch.dtype):
+        """Once per backward over many chunk pairs of the same rows: (dout, out, dlse) in the
+        form backward() takes without per-call conversion. Default: unchanged."""
+        return dout, out, dlse
+
+
+def visible_mask(sq: int, sk: int, window: Window, device, q_start: int = 0, k_start: int = 0,
+                 q_len: Optional[int] = None, k_len: Optional[int] = None) -> Optional[torch.Tensor]:
+    """Boolean [q_len, k_len] mask (True = visible) for rows q_start.. and keys k_start.. of an
+    Sq x Sk chunk pair under the bottom-right aligned `window`; None when everything is visible."""
+    left, right = window
+    q_len = sq - q_start if q_len is None else q_len
+    k_len = sk - k_start if k_len is None else k_len
+    if left is None and right is None:
+        return None
+    shift = sk - sq
+    i = torch.arange(q_start, q_start + q_len, device=device).unsqueeze(1) + shift
+    j = torch.arange(k_start, k_start + k_len, device=device).unsqueeze(0)
+    mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    if left is not None:
+        mask &= j >= i - left
+    if right is not None:
+        mask &= j <= i + right
+    return mask

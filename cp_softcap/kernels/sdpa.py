@@ -23,8 +23,7 @@ from ..merge import merge
 from ..settings import sdpa_op
 from ..spec import Window
 from . import sdpa_cuda
-from .base import Capabilities, Kernel, grad_dtype, refuse_segments
-from .torch_kernel import visible_mask
+from .base import Capabilities, Kernel, grad_dtype, refuse_segments, visible_mask
 
 _NEG_INF = float("-inf")
 

@@ -29,32 +29,13 @@ from typing import Optional, Tuple
 import torch
 
 from ..spec import Window
-from .base import Capabilities, Kernel, Segments, check_segments, grad_dtype, segment_ids
+from .base import (Capabilities, Kernel, Segments, check_segments, grad_dtype, segment_ids,
+                   visible_mask)
 
 _NEG_INF = float("-inf")
 
 
-# ------------------------------------------------------- block masks (sdpa's CPU path uses visible_mask)
-
-def visible_mask(sq: int, sk: int, window: Window, device, q_start: int = 0, k_start: int = 0,
-                 q_len: Optional[int] = None, k_len: Optional[int] = None) -> Optional[torch.Tensor]:
-    """Boolean [q_len, k_len] mask (True = visible) for rows q_start.. and keys k_start.. of an
-    Sq x Sk chunk pair under the bottom-right aligned `window`; None when everything is visible."""
-    left, right = window
-    q_len = sq - q_start if q_len is None else q_len
-    k_len = sk - k_start if k_len is None else k_len
-    if left is None and right is None:
-        return None
-    shift = sk - sq
-    i = torch.arange(q_start, q_start + q_len, device=device).unsqueeze(1) + shift
-    j = torch.arange(k_start, k_start + k_len, device=device).unsqueeze(0)
-    mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
-    if left is not None:
-        mask &= j >= i - left
-    if right is not None:
-        mask &= j <= i + right
-    return mask
-
+# ------------------------------------------------------- block masks
 
 def block_visible(sq: int, sk: int, window: Window, q0: int, q1: int, k0: int, k1: int) -> bool:
     """Whether any key in [k0, k1) is visible from any row in [q0, q1) (cheap block skip)."""
