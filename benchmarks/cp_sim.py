@@ -73,6 +73,17 @@ class _RingRankSim:
                                              self._rand(L, hkv), self._rand(L, hq))
         self.blocks = []
 
+    def _add_block(self, n, calls, back, sent_dtype):
+        """One received block: random K/V of n keys and its calls; `back` [((k0, k1), dtype)]:
+        the dK/dV partials the peers return for those ranges of our keys, in the dtype each
+        sender's block returns (ring.return_dtype; one random tensor stands for both dK and dV,
+        timing only); sent_dtype: the dtype of the partials this rank sends back."""
+        hkv, d = self.k.shape[2], self.k.shape[3]
+        self.blocks.append((self._rand(n, hkv), self._rand(n, hkv), calls,
+                            [torch.randn(1, k1 - k0, hkv, d, device=self.k.device).to(dt)
+                             for (k0, k1), dt in back],
+                            [kr for kr, _ in back], sent_dtype))
+
     @property
     def calls(self) -> int:
         """Kernel calls per forward."""
@@ -121,18 +132,12 @@ class RankSim(_RingRankSim):
         for steps in ring_blocks(cp, L, keys):
             slots, calls = block_plan(cp, rank, chunk, window, steps)
             n = sum(sl.k1 - sl.k0 for sl in slots)
-            # the dK/dV partials other ranks return for our keys (added in step order), in the
-            # dtype each sender's block returns (ring.return_dtype); one random tensor stands
-            # for both dK and dV (timing only)
             rdt = lambda r: return_dtype(kernel.partial_dtype(dtype), grad_dtype(dtype),  # noqa: E731
                                          block_exclusive(cp, r, chunk, window, steps))
             peers = [(rank + st) % cp for st in steps]
             back = [(kr, rdt(p)) for kr, p in ((key_range(cp, p, rank, chunk, window), p)
                                               for p in peers) if kr is not None]
-            self.blocks.append((self._rand(n, hkv), self._rand(n, hkv), calls,
-                                [torch.randn(1, k1 - k0, hkv, d, device=dev).to(dt)
-                                 for (k0, k1), dt in back],
-                                [kr for kr, _ in back], rdt(rank)))
+            self._add_block(n, calls, back, rdt(rank))
 
     def forward_backward(self):
         """dQ, dK, dV in the inputs' dtype, as ring_backward returns them."""
@@ -160,10 +165,7 @@ class PackedRankSim(_RingRankSim):
             back = [((k0, k1), rdt(p, steps)) for p in ((rank + st) % layout.cp for st in steps)
                     for k0, k1 in dgeo.send_ranges(layout, p, rank, window)]
             if calls or back:
-                self.blocks.append((self._rand(n, hkv), self._rand(n, hkv), calls,
-                                    [torch.randn(1, k1 - k0, hkv, d, device=dev).to(dt)
-                                     for (k0, k1), dt in back],
-                                    [kr for kr, _ in back], rdt(rank, steps)))
+                self._add_block(n, calls, back, rdt(rank, steps))
 
 
 def packed_full(kernel, cu, seq_len, window, hq, hkv, d, dtype, dev, softcap, backward):
