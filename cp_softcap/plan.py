@@ -7,8 +7,8 @@ this rank's CP size and rank, the selected kernel, the algorithm after comm='aut
 zigzag / head geometry it runs on, or for one device the path (one kernel call, packed
 documents, the exportable math). Plans are cached per (group, call signature) in a
 WeakKeyDictionary on the group object, so a reused object address never finds another group's
-plans (a CP plan holds its group, so a group that ran CP calls stays alive with its plans); a
-one-device plan under a group of one rank does not hold it and goes with it. A call whose
+plans; a plan refers to its groups weakly (_GroupRef), so a group and its plans are freed once
+the user drops the group. A call whose
 raw arguments were seen before gets its plan from a cache keyed on them (_call_key), without
 validating them, building the spec or reading settings again. The plan is the only thing that
 crosses into the algorithms: each autograd.Function takes (q, k, v, plan).
@@ -46,11 +46,34 @@ from .transport import check_agreement
 Backend = Union[str, Kernel]
 
 
+def weak(groups: tuple) -> tuple:
+    """Groups as weak references, for the caches' keys and values (see _GroupRef)."""
+    return tuple(weakref.ref(g) if _is_group(g) else g for g in groups)
+
+
+class _GroupRef:
+    """The plan caches are keyed weakly on the group; a plan (their value) holding the group
+    strongly would keep every group that ran a CP call alive until the interpreter exits, where
+    a process group destroyed late can abort the process (gloo) and its memory is never
+    freed. A plan therefore refers to its group weakly; the call that runs it holds the group."""
+    group_ref: weakref.ref
+
+    @property
+    def group(self):
+        group = self.group_ref()
+        if group is None:
+            raise RuntimeError("the CP process group of this attention call no longer exists "
+                               "(torch.distributed.destroy_process_group ran, or the group was "
+                               "deleted, between the forward and its backward); keep the group "
+                               "until every backward of its calls has run")
+        return group
+
+
 @dataclass(frozen=True)
-class Zigzag:
+class Zigzag(_GroupRef):
     """This rank's place in a zigzag-sharded ring or all-gather: `size` ranks of `group`, each
     holding 2 chunks of `chunk` tokens; `blocks` groups the ring's steps (layout.ring_blocks)."""
-    group: object
+    group_ref: weakref.ref          # see _GroupRef: a cached plan must not keep its group alive
     size: int
     rank: int
     chunk: int
@@ -61,10 +84,10 @@ class Zigzag:
 
 
 @dataclass(frozen=True)
-class Heads:
+class Heads(_GroupRef):
     """The all-to-all re-sharding by heads inside `group` (size ranks): query / KV heads each
     rank receives (KV heads replicated when Hkv % size != 0)."""
-    group: object
+    group_ref: weakref.ref
     size: int
     q_index: Tuple[Tuple[int, ...], ...]
     kv_index: Tuple[Tuple[int, ...], ...]
@@ -304,19 +327,19 @@ def plan_for(q, k, v, group, *, softcap, causal, window, scale, comm: str, backe
     root = _ONE_DEVICE if group is None else group
     rest = ()
     if type(group) in (tuple, list) and len(group) == 2:    # comm='a2a+p2p': (a2a, ring)
-        root, rest = group[0], (type(group), group[1])
+        root, rest = group[0], (type(group),) + weak(group[1:])
     key = _call_key(q, k, v, ("cp", comm, backend) + rest, (softcap, causal, window, scale),
                     cu_seqlens) if _cacheable(root) else None
     hit = _recall(root, key)
     # after destroy_process_group() a call with a group is planned in full, which says so
     if hit is not None and (root is _ONE_DEVICE or dist.is_initialized()):
-        plan, groups = hit
-        if groups:
+        plan, refs = hit
+        if refs:
             every_call = call_settings()[1]
             if every_call is None:
                 settings.check_every_call()     # raises: an invalid CP_SOFTCAP_CHECK_EVERY_CALL
-            if every_call:
-                _compare(plan, groups, q.device)
+            if every_call:      # the groups are alive: the call passed them (root and key)
+                _compare(plan, tuple(r() for r in refs), q.device)
         return plan
     groups, cp, rank = resolve_groups(group, comm)
     if comm != "a2a+p2p" and cp == 1:
@@ -386,14 +409,14 @@ def _recall(root, key) -> Optional[tuple]:
 
 
 def _memo(root, key, plan: Plan, groups: tuple) -> None:
-    """Remember (plan, groups) for `key`; keys with boundaries (key[0]) are evicted oldest first
+    """Remember (plan, weak(groups)) for `key`; keys with boundaries (key[0]) are evicted oldest first
     beyond MAX_PACKED_PLANS per group, as in _remember, and any key beyond MAX_CALL_PLANS (calls
     whose shapes keep changing, e.g. a growing KV length, must not grow the cache forever)."""
     if key is None:
         return
     calls = _CALLS.setdefault(root, {})
     try:
-        calls[key] = (plan, groups)
+        calls[key] = (plan, weak(groups))
     except TypeError:
         return
     if key[0] is not None:
@@ -494,7 +517,7 @@ def _cp_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple, c
     spec = spec_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
                     cp_size=cp, comm=comm, documents=cu_seqlens is not None)
     layout, doc_error = _documents(cu_seqlens, q.shape[1], cp)
-    key = (spec, q.shape[0], q.shape[1], groups[1:], backend, planning_inputs(), layout)
+    key = (spec, q.shape[0], q.shape[1], weak(groups[1:]), backend, planning_inputs(), layout)
     plans = _PLANS.setdefault(groups[0], {})
     plan = plans.get(key) if doc_error is None else None
     if plan is None:
@@ -635,13 +658,13 @@ def _finish(plan: Plan, groups: tuple, rank: int) -> Plan:
         group = groups[0]
         size = dist.get_world_size(group)
         check_heads(spec.num_heads, size, rank, comm)
-        heads = Heads(group, size, _tuples(query_head_index(spec.num_heads, size)),
+        heads = Heads(weakref.ref(group), size, _tuples(query_head_index(spec.num_heads, size)),
                       _tuples(kv_head_index(spec.num_heads, spec.num_kv_heads, size)), layout is None)
     if comm != "a2a":
         group = groups[-1]
         size, ring_len = dist.get_world_size(group), plan.local_len * (heads.size if heads else 1)
         blocks = ring_blocks(size, ring_len, plan.ring_block_keys) if comm != "all_gather" else ()
-        zigzag = Zigzag(group, size, dist.get_rank(group), ring_len // 2, spec.window, blocks,
+        zigzag = Zigzag(weakref.ref(group), size, dist.get_rank(group), ring_len // 2, spec.window, blocks,
                         layout, ring_members(cp, heads.size if heads else 1) if layout else ())
     return dataclasses.replace(plan, comm=comm, rank=rank, zigzag=zigzag, heads=heads)
 

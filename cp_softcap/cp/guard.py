@@ -27,7 +27,7 @@ from contextlib import ExitStack
 import torch
 import torch.distributed as dist
 
-from ..plan import VALID_INPUTS, call_settings, signature
+from ..plan import VALID_INPUTS, call_settings, signature, weak
 from ..transport import Call, check_agreement, digest, in_call
 
 DOUBLE_BACKWARD = (
@@ -52,9 +52,9 @@ def _groups(plan) -> tuple:
 
 def _next_seq(plan) -> int:
     groups = _groups(plan)
-    per_group = _SEQ.setdefault(groups[0], {})
-    per_group[groups[1:]] = per_group.get(groups[1:], 0) + 1
-    return per_group[groups[1:]]
+    per_group, rest = _SEQ.setdefault(groups[0], {}), weak(groups[1:])
+    per_group[rest] = per_group.get(rest, 0) + 1
+    return per_group[rest]
 
 
 def _rows(plan) -> tuple:
