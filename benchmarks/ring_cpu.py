@@ -195,7 +195,7 @@ def _time_worker(rank, cp, shapes, reps):
     from cp_softcap.kernels import get_kernel
     from cp_softcap.layout import needs
     from cp_softcap.merge import merge_into, new_accumulator
-    from cp_softcap.spec import grad_dtype
+    from cp_softcap.kernels.base import grad_dtype
     kernel = get_kernel("torch")
     scale = 1.0 / math.sqrt(D)
     records = []

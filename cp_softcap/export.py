@@ -14,7 +14,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .spec import Window, grad_dtype
+from .kernels.base import grad_dtype
+from .spec import Window
 
 _NEG_INF = float("-inf")
 

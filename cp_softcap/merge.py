@@ -80,7 +80,7 @@ def merge(parts, acc_dtype: torch.dtype = torch.float32
 def new_accumulator(q_shape, head_dim_v: int, acc_dtype: torch.dtype, device
                     ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Empty (out, lse) accumulator for queries of shape [B, S, H, D]: out = 0, lse = -inf, in
-    the accumulation dtype `acc_dtype` (plan.grad_dtype: spec.grad_dtype of the inputs' dtype)."""
+    the accumulation dtype `acc_dtype` (plan.grad_dtype: kernels.base.grad_dtype of the inputs' dtype)."""
     b, s, h, _ = q_shape
     out = torch.zeros(b, s, h, head_dim_v, dtype=acc_dtype, device=device)
     lse = torch.full((b, h, s), float("-inf"), dtype=acc_dtype, device=device)

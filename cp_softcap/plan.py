@@ -36,11 +36,11 @@ from .comm_model import choose_comm
 from .documents import PackedLayout, check_cu_seqlens
 from .groups import hybrid_groups, hybrid_rank
 from .heads import check_heads, kv_head_index, query_head_index
-from .kernels.base import Kernel
+from .kernels.base import Kernel, grad_dtype
 from .layout import ring_blocks
 from .selector import select
 from .sharding import layout_for
-from .spec import AttnSpec, check_comm, check_local_shards, check_qkv, grad_dtype, make_spec
+from .spec import AttnSpec, check_comm, check_local_shards, check_qkv, make_spec
 from .transport import check_agreement
 
 Backend = Union[str, Kernel]
@@ -120,7 +120,7 @@ class Plan:
     heads: Optional[Heads] = _local(default=None)      # a2a / a2a+p2p's all-to-all
     boundaries: Optional[Tuple[int, ...]] = _local(default=None)   # comm='packed': validated cu
     # decided once from the compared fields: the accumulation dtype of out/LSE and of gradient
-    # sums (spec.grad_dtype) and the dtype of the kernel's gradient partials (partial_dtype)
+    # sums (kernels.base.grad_dtype) and the dtype of the kernel's gradient partials (partial_dtype)
     grad_dtype: torch.dtype = _local(init=False)
     partial_dtype: Optional[torch.dtype] = _local(init=False)
 

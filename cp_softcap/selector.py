@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple, Union
 
-import torch
-
 from . import settings
 from .kernels import KERNEL_NAMES, get_kernel
 from .kernels.base import Kernel

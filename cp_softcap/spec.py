@@ -32,11 +32,6 @@ def normalize_softcap(softcap) -> Optional[float]:
     return softcap
 
 
-def grad_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype: float64 stays float64, everything else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def check_comm(comm) -> None:
     """The one check of a comm= value."""
     if comm not in COMM_TYPES:

@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from ..calls import backward_into, stream_order, write_calls
 from ..doc_geometry import stream_calls
+from ..kernels.base import grad_dtype
 from ..merge import GradAccumulator, new_accumulator
-from ..spec import grad_dtype
 from ..transport import all_to_all
 from .guard import guarded
 

@@ -14,7 +14,7 @@ Every kernel (one file each in this package) subclasses `Kernel` and implements:
         needs the input dtype cast it, pure-PyTorch paths use it as is for a more exact
         D = rowsum(dO * O). Gradients come in the kernel's own dtype, `partial_dtype(q.dtype)`:
         the input dtype for kernels that compute them there (flash-attn), the accumulation dtype
-        (float32; float64 for float64) otherwise. Callers that sum several partials widen while
+        (`grad_dtype(q.dtype)`) otherwise. Callers that sum several partials widen while
         adding (merge.GradAccumulator); a single call casts once.
     partial_dtype(dtype) -> dtype of backward's gradients for inputs of `dtype`
         (from caps.grads_in_input_dtype). The CP algorithms size their gradient messages by it.
@@ -54,10 +54,16 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from ..spec import AttnSpec, Window, grad_dtype
+from ..spec import AttnSpec, Window
 
 FULL: Window = (None, None)
 CAUSAL: Window = (None, 0)
+
+
+def grad_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype for inputs of `dtype`: float64 stays float64, everything else
+    float32. Kernels accumulate in it and the CP algorithms sum partials in it (Plan.grad_dtype)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class Segments(NamedTuple):
