@@ -326,6 +326,9 @@ def full_attention(kernel, s, hq, hkv, d, dtype, dev, softcap, window, backward)
     return run
 
 
+PIECE_KEYS = 4096
+
+
 def per_call(sim, kernel, s, hq, d, softcap, window, rep_ms) -> list:
     """Each of the rank's kernel calls timed alone (forward, and forward + backward with the
     final O/LSE of its rows), as TFLOP/s of its visible area, next to the full causal call: which
@@ -344,6 +347,11 @@ def per_call(sim, kernel, s, hq, d, softcap, window, rep_ms) -> list:
     calls += [(f"{w} as local", kb, vb, PairCall(c.q0, c.q1, c.k0, c.k1,
                                                 (None, max(c.q1 - c.q0, c.k1 - c.k0))))
               for w, kb, vb, c in calls if tuple(c.window) == (None, None)]
+    # ... and its backward as key pieces of PIECE_KEYS run one after the other (with the rows'
+    # final O/LSE, as the ring runs blocks): in one call every key block's CTA adds into the same
+    # dQ rows in the same order; if that contention is what slows it, pieces are faster.
+    calls += [(f"{w} in pieces", kb, vb, c) for w, kb, vb, c in calls
+              if tuple(c.window) == (None, None) and c.k1 - c.k0 >= 2 * PIECE_KEYS]
     for where, kb, vb, c in calls:
         qs = full_q if where == "full" else q[:, c.q0:c.q1]
         ks, vs = kb[:, c.k0:c.k1], vb[:, c.k0:c.k1]
@@ -353,8 +361,11 @@ def per_call(sim, kernel, s, hq, d, softcap, window, rep_ms) -> list:
                 else c.area())
         flops = 4.0 * hq * d * area
         fwd = bench_ms(lambda: kernel.forward(qs, ks, vs, window=c.window, **kw), rep_ms=rep_ms)
-        bwd = bench_ms(lambda: kernel.backward(dout, qs, ks, vs, res[0], res[1], window=c.window,
-                                               **kw), rep_ms=rep_ms)
+        pieces = ([(a, min(a + PIECE_KEYS, c.k1 - c.k0)) for a in range(0, c.k1 - c.k0, PIECE_KEYS)]
+                  if where.endswith(" in pieces") else [(0, c.k1 - c.k0)])
+        bwd = bench_ms(lambda: [kernel.backward(dout, qs, ks[:, a:b], vs[:, a:b], res[0], res[1],
+                                                window=c.window, **kw) for a, b in pieces],
+                       rep_ms=rep_ms)
         out.append(dict(where=where, rows=c.q1 - c.q0, keys=c.k1 - c.k0, window=list(c.window),
                         area=area, fwd_ms=fwd, bwd_ms=bwd, fwd_tflops=flops / fwd / 1e9,
                         bwd_tflops=2.5 * flops / bwd / 1e9))

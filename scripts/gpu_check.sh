@@ -43,7 +43,8 @@
 #   bash scripts/gpu_check.sh pk2b     # same machine: every CP test on one GPU (packed, unpacked)
 #   bash scripts/gpu_check.sh pk3      # call 3 (same machine, carry [".fa2"]): installs flash-attn
 #                                      #   2; packed kernels vs cuDNN, cp_sim --packed with fa4, 27B
-#                                      #   per-call profile
+#                                      #   per-call profile (fully visible calls also as windowed
+#                                      #   calls and with the backward in key pieces)
 #   bash scripts/gpu_check.sh pk4      # call 4 (same machine): the fa2 kernel, autocast and CP tests
 #   bash scripts/gpu_check.sh train26  # carry [".liger"] (scripts/stage_liger.sh), fa4 + fa2
 #                                      #   installed: Liger vs our pieces, Gemma2 2b 8K train (eager,
