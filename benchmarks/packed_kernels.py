@@ -15,7 +15,9 @@ The baseline is one dense causal cuDNN call whose length S has about the same ar
 "% cuDNN" compares rates, not times. The rows "fa4-kernel" and "fa4-kernel-nocap" are FA4's own
 varlen function on the same documents without the library, with the library's softcap and
 without any: a gap to cuDNN splits into the document structure's share (nocap), the softcap's
-and the library's. Writes packed_kernels[_tag].json and .png.
+and the library's. The rows "cudnn-varlen" and "flash-varlen" are PyTorch's own varlen kernels
+(SDPA on nested tensors, no cap) on the same documents: what the best uncapped kernels reach on
+this document structure. Writes packed_kernels[_tag].json and .png.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from benchmarks.packing_balance import mix                            # noqa: E4
 
 MIXES = ("long-tail", "short")
 RAW = {"fa4-kernel": True, "fa4-kernel-nocap": False}     # FA4 alone: with --softcap or none
+NJT = ("cudnn-varlen", "flash-varlen")      # PyTorch's own varlen kernels (no cap), via SDPA
 
 
 def visible_area(cu: List[int]) -> int:
@@ -83,6 +86,36 @@ def fa4_raw_call(q, k, v, cu, softcap, backward: bool):
     return run
 
 
+def njt_call(q, k, v, cu, backend: str, backward: bool, causal: bool = True):
+    """PyTorch SDPA on nested (jagged) tensors of the same documents with one backend: cuDNN's
+    or flash-attn 2's varlen kernel as PyTorch ships it, causal, no softcap (SDPA has none) and
+    the KV heads repeated to the query heads beforehand (not timed). What the best kernels
+    without a cap reach on this document structure: the fair ceiling for the packed rows.
+    backend: "cudnn" | "flash" | "math" (PyTorch's math backend takes no causal nested call:
+    with causal=False it is the CPU check of this function's layout)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    chosen = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+              "math": SDPBackend.MATH}[backend]
+    offsets = torch.tensor(cu, dtype=torch.int64, device=q.device)
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    rep = q.shape[2] // k.shape[2]
+    leaves = [t[0, :cu[-1]].repeat_interleave(rep if t is not q else 1, dim=1).detach()
+              .requires_grad_(backward) for t in (q, k, v)]
+    dout = torch.randn_like(leaves[0])
+
+    def run():
+        qn, kn, vn = (torch.nested.nested_tensor_from_jagged(x, offsets, min_seqlen=min(lengths),
+                                                             max_seqlen=max(lengths)).transpose(1, 2)
+                      for x in leaves)
+        with sdpa_kernel([chosen]):
+            out = F.scaled_dot_product_attention(qn, kn, vn, is_causal=causal).transpose(1, 2).values()
+        if backward:
+            out.backward(dout)
+        return out
+    return run
+
+
 def plot(blob: Dict, png: str) -> None:
     ok = [r for r in blob["records"] if "pct_of_cudnn" in r]
     case = lambda r: f"{r['model']} {r['mix']} {r['mode']}"      # noqa: E731
@@ -101,9 +134,10 @@ def main(argv=None) -> int:
     p.add_argument("--total", type=int, default=131072, help="tokens in the packed stream")
     p.add_argument("--mixes", nargs="+", default=list(MIXES), choices=MIXES)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--kernels", nargs="+", default=["fa4", *RAW, "fa2", "flex"],
-                   help=f"library backends, and {' / '.join(RAW)}: FA4's varlen function alone, "
-                        "with the library's softcap or none")
+    p.add_argument("--kernels", nargs="+", default=["fa4", *RAW, *NJT, "fa2", "flex"],
+                   help=f"library backends; {' / '.join(RAW)}: FA4's varlen function alone, "
+                        f"with the library's softcap or none; {' / '.join(NJT)}: PyTorch SDPA's "
+                        "varlen kernels on nested tensors (no cap)")
     p.add_argument("--softcap", type=float, default=50.0)
     p.add_argument("--rep-ms", type=int, default=150)
     p.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
@@ -142,14 +176,20 @@ def main(argv=None) -> int:
                                      needs_backward=bwd, documents=True)
                     rec = dict(model=model, mix=kind, docs=len(cu) - 1, kernel=name, mode=mode,
                                total=a.total, area=area, softcap=a.softcap)
-                    reason = rejection("fa4" if name in RAW else name, spec)
+                    reason = None if name in NJT else rejection("fa4" if name in RAW else name, spec)
                     if reason:
                         records.append({**rec, "skipped": reason})
                         rows.append([model, kind, len(cu) - 1, name, mode, "skip", reason[:40], ""])
                         continue
                     try:
-                        call = (fa4_raw_call(q, k, v, cu, a.softcap if RAW[name] else None, bwd)
-                                if name in RAW else packed_call(name, q, k, v, cu, a.softcap, bwd))
+                        if name in RAW:
+                            call = fa4_raw_call(q, k, v, cu, a.softcap if RAW[name] else None, bwd)
+                        elif name in NJT:
+                            call = njt_call(q, k, v, cu, name.split("-")[0], bwd)
+                            ref = cps.attention(q, k, v, causal=True, cu_seqlens=cu)[0, :cu[-1]]
+                            rec["max_abs_vs_library_nocap"] = (call().float() - ref.float()).abs().max().item()
+                        else:
+                            call = packed_call(name, q, k, v, cu, a.softcap, bwd)
                         ms = bench_ms(call, rep_ms=a.rep_ms)
                     except Exception as e:          # report it, keep measuring the others
                         msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
