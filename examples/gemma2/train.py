@@ -76,9 +76,11 @@ def build(args, cfg, d: parallel.Dist):
     model.to(d.device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
+    # fused: one kernel per parameter group on CUDA instead of several foreach passes over the
+    # float32 weights and both moments (2b: 2.6 B parameters, ~30 GB of optimizer state)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=d.device.type == "cuda")
     if args.pack:     # a list of documents; checked against the vocab as one stream
         tokens = load_documents(args.data, args.model_dir, cfg.eos_token_id)
         top = max(int(t.max()) for t in tokens)
