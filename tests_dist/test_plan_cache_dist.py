@@ -79,3 +79,52 @@ def _backward_after_destroy_worker(rank, world):
 def test_backward_after_its_group_is_gone_says_so():
     for message in run_ranks(_backward_after_destroy_worker, 2):
         assert "process group of this attention call no longer exists" in message, message
+
+
+def _hf_group_worker(rank, world, mesh_pair):
+    import gc
+    import weakref
+    import numpy as np
+    import torch.distributed as dist
+    import cp_softcap as cps
+    from cp_softcap.integrations.hf import cp_softcap_attention, use_cp_group
+    group = dist.new_group(list(range(world)))
+    if mesh_pair:
+        a2a, ring = cps.make_hybrid_groups(group, 2)
+        refs, comm, arg = [weakref.ref(g) for g in (a2a, ring)], "a2a+p2p", (a2a, ring)
+    else:
+        refs, comm, arg = [weakref.ref(group)], "ring", group
+    use_cp_group(arg, comm=comm)
+    s = 8 * world
+    cu = np.array([0, 5, s])          # NumPy boundaries: checked, not remembered by value
+    pos = cps.sharding.positions(s, world, rank, cu_seqlens=[0, 5, s])[None]
+    shard = lambda t: cps.sharding.shard(t.transpose(1, 2), world, rank, cu_seqlens=[0, 5, s])  # noqa: E731
+    q, k, v = (shard(torch.randn(1, 4, s, 8)).transpose(1, 2).requires_grad_() for _ in range(3))
+    for _ in range(2):
+        out, _ = cp_softcap_attention(None, q, k, v, softcap=30.0, position_ids=pos, cu_seqlens=cu)
+        out.sum().backward()
+    for g in ([a2a, ring] if mesh_pair else []) + [group]:
+        dist.destroy_process_group(g)
+    del g, group, arg
+    if mesh_pair:
+        del a2a, ring
+    gc.collect()
+    freed = [r() is None for r in refs]
+    try:
+        cp_softcap_attention(None, q, k, v, softcap=30.0, position_ids=pos)
+        message = "ran"
+    except RuntimeError as e:
+        message = str(e)
+    use_cp_group(None)
+    return freed, message
+
+
+def test_hf_use_cp_group_does_not_keep_the_group_alive():
+    """use_cp_group holds the group (or the a2a+p2p pair) weakly: destroyed and dropped, it is
+    freed, and a later attention call says the configured group is gone instead of running on
+    one device. The calls also pass NumPy cu_seqlens with reused position_ids (the position
+    check must not compare arrays by truth value)."""
+    for mesh_pair in (False, True):
+        for freed, message in run_ranks(_hf_group_worker, 4, mesh_pair):
+            assert all(freed), (mesh_pair, freed)
+            assert "set by cp_softcap.integrations.hf.use_cp_group no longer exists" in message, message

@@ -50,6 +50,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..api import attention, cp_attention
+from ..documents import PackedLayout
 from ..plan import boundary_values, resolve_groups
 from ..selector import check_backend
 from ..sharding import positions as cp_positions
@@ -69,10 +70,29 @@ def use_cp_group(group, *, comm: str = "ring", backend: str = "auto") -> None:
     cp_softcap.make_hybrid_groups(cp_group, a2a_size), or a 2-D DeviceMesh (ring, a2a)."""
     check_comm(comm)
     check_backend(backend)
+    held = None
     if group is not None:
-        _cp_size_rank(group, comm)      # a pair without a2a+p2p, or a2a+p2p without one: raise now
-    _CONFIG.update(group=group, comm=comm, backend=backend)
+        # a pair without a2a+p2p, or a2a+p2p without one, raises here. The resolved process
+        # groups (a DeviceMesh stands for its groups) are held weakly: a strong reference here
+        # would keep them alive after destroy_process_group() until the interpreter exits,
+        # where gloo's late teardown can abort a process whose run succeeded
+        groups, _, _ = resolve_groups(group, comm)
+        held = tuple(weakref.ref(g) for g in groups)
+    _CONFIG.update(group=held, comm=comm, backend=backend)
     _CHECKED_POSITIONS.clear()
+
+
+def _configured_group():
+    """The group set by use_cp_group as cp_attention takes it (a pair for a2a+p2p), or None."""
+    held = _CONFIG["group"]
+    if held is None:
+        return None
+    groups = tuple(r() for r in held)
+    if None in groups:
+        raise RuntimeError("the CP process group set by cp_softcap.integrations.hf.use_cp_group "
+                           "no longer exists (torch.distributed.destroy_process_group ran); call "
+                           "use_cp_group again with a live group, or use_cp_group(None) for one device")
+    return groups if len(groups) == 2 else groups[0]
 
 
 def _cp_size_rank(group, comm: str) -> Tuple[int, int]:
@@ -118,7 +138,8 @@ def _check_positions(position_ids: Optional[torch.Tensor], sq: int, cp: int, ran
     # tensor reusing a freed one's memory is checked again; the boundaries by value)
     last = _CHECKED_POSITIONS.get("last")
     key = (position_ids._version, sq, cp, rank, cu)
-    if last is not None and last[0]() is position_ids and last[1] == key:
+    remember = cu is None or isinstance(cu, (tuple, PackedLayout))   # not e.g. a NumPy array
+    if remember and last is not None and last[0]() is position_ids and last[1] == key:
         return
     pos = position_ids.reshape(-1, position_ids.shape[-1])
     expected = cp_positions(sq * cp, cp, rank, device=position_ids.device, cu_seqlens=cu)
@@ -132,7 +153,8 @@ def _check_positions(position_ids: Optional[torch.Tensor], sq: int, cp: int, ran
             "boundaries too: model(..., cu_seqlens=cu_global, position_ids=positions(S, cp, rank, "
             "cu_seqlens=cu_global)[None]), with the shards from cp_softcap.sharding.shard(..., "
             "cu_seqlens=cu_global).")
-    _CHECKED_POSITIONS["last"] = (weakref.ref(position_ids), key)
+    if remember:
+        _CHECKED_POSITIONS["last"] = (weakref.ref(position_ids), key)
 
 
 def _boundaries(b: int, sq: int, sk: int, position_ids, kwargs):
@@ -191,7 +213,7 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         raise ValueError(f"attn_implementation='cp_softcap' got attention dropout={dropout}; it is "
                          "exact and has no dropout. Set config.attention_dropout = 0.0.")
     _check_mask(attention_mask)
-    group = cp_group if cp_group is not None else _CONFIG["group"]
+    group = cp_group if cp_group is not None else _configured_group()
     comm = _CONFIG["comm"] if group is not None else "ring"     # one device: comm is moot
     cp, rank = _cp_size_rank(group, comm)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
