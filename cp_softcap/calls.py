@@ -58,10 +58,12 @@ def call_backward(kernel, dout, q, k, v, out, lse, dlse, c, scale, softcap):
     return kernel.backward(*args, scale=scale, softcap=softcap, window=c.window, dlse=dl, segments=segs)
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=8)
 def stream_order(layout, device) -> Tuple[torch.Tensor, torch.Tensor]:
     """(idx, inv) for all ranks' packed shards back to back (what a gather or a sequence
-    all-to-all delivers): x[:, inv] puts them in global order, y[:, idx] takes them back."""
+    all-to-all delivers): x[:, inv] puts them in global order, y[:, idx] takes them back.
+    Cached for the few layouts of one step (two int64 stream-length device tensors each: 16 MB
+    at 1M tokens); the boundaries change every step."""
     idx = layout.stream_index()
     return idx.to(device), torch.argsort(idx).to(device)
 

@@ -547,12 +547,15 @@ MAX_CALL_PLANS = 256                # per group (or one device): raw calls remem
 
 
 def _remember(plans: dict, key: tuple, plan: Plan) -> None:
-    """Cache `plan`; packed plans are evicted oldest first beyond MAX_PACKED_PLANS per group."""
+    """Cache `plan`; packed plans are evicted oldest first beyond MAX_PACKED_PLANS per group, and
+    any plan beyond MAX_CALL_PLANS (shapes that keep changing, e.g. dynamic padding)."""
     plans[key] = plan
     if plan.layout is not None:
         packed = [k for k, p in plans.items() if p.layout is not None]
         for old in packed[:-MAX_PACKED_PLANS]:
             del plans[old]
+    while len(plans) > MAX_CALL_PLANS:
+        del plans[next(iter(plans))]
 
 
 # The last boundaries and their layout: every layer of a step passes the same boundaries, and

@@ -128,3 +128,19 @@ def test_hf_use_cp_group_does_not_keep_the_group_alive():
         for freed, message in run_ranks(_hf_group_worker, 4, mesh_pair):
             assert all(freed), (mesh_pair, freed)
             assert "set by cp_softcap.integrations.hf.use_cp_group no longer exists" in message, message
+
+
+def _growing_worker(rank, world):
+    import torch.distributed as dist
+    import cp_softcap as cps
+    from cp_softcap import plan as plan_mod
+    plan_mod.MAX_CALL_PLANS = 8             # the bound, made small for the test
+    for n in range(1, 21):                  # a local length that changes every call
+        q = torch.randn(1, 2 * n, 2, 8)
+        cps.cp_attention(q, q, q, dist.group.WORLD, softcap=30.0, comm="ring")
+    return len(plan_mod._PLANS[dist.group.WORLD]), len(plan_mod._CALLS[dist.group.WORLD])
+
+
+def test_plan_caches_stay_bounded_under_cp_when_shapes_keep_changing():
+    for plans, calls in run_ranks(_growing_worker, 2):
+        assert plans <= 8 and calls <= 8, (plans, calls)
