@@ -10,7 +10,8 @@ of receiving mis-sized data (which gloo answers by aborting the process). gloo h
 NCCL matches point-to-point messages in posting order and ignores them.
 
 Waits on gloo, and waits whose result the host reads next (the cross-rank checks), block this
-thread for at most CP_SOFTCAP_TIMEOUT and then raise naming the op and the rank. Waits on CUDA
+thread for at most CP_SOFTCAP_TIMEOUT and then raise naming the op and the rank; gloo
+collectives carry the same timeout, so gloo ends the op too and the process can exit. Waits on CUDA
 tensors over NCCL only order the current stream after the transfer and return at once: torch's
 NCCL wait given a timeout blocks the host thread until the transfer ends, polling every
 millisecond, so the kernels of the next ring step could not be queued while the transfer runs.
@@ -38,6 +39,7 @@ import pickle
 
 import torch
 import torch.distributed as dist
+import torch._C._distributed_c10d as c10d      # AllgatherOptions: not re-exported by dist
 
 from .settings import timeout_s
 
@@ -136,14 +138,39 @@ def wait(work, op: str, group, on: torch.Tensor, *, host: bool = False) -> None:
         except RuntimeError as e:
             raise RuntimeError(_timeout_message(op, group, None, e)) from e
         return
-    call = current_call()
-    limit = call.timeout if call is not None and call.timeout is not None else timeout_s()
+    limit = _limit()
     try:
         ok = work.wait(timedelta(seconds=limit))
     except RuntimeError as e:
         raise RuntimeError(_timeout_message(op, group, limit, e)) from e
     if ok is False:
         raise RuntimeError(_timeout_message(op, group, limit, "wait returned False"))
+
+
+def _limit() -> float:
+    """Seconds a wait may take: the current call's timeout, else CP_SOFTCAP_TIMEOUT."""
+    call = current_call()
+    return call.timeout if call is not None and call.timeout is not None else timeout_s()
+
+
+def _gloo_options(group, options):
+    """`options` (a c10d options object) with the wait's timeout when `group` is gloo, else None.
+    gloo runs a collective on the group's worker thread until the op's own timeout (by default
+    the group's: 30 min for new_group), whatever the wait's; a rank that raised the timeout
+    error for a stalled peer could not exit before then, nor could torchrun restart the job.
+    With the timeout in the op, gloo ends it itself."""
+    if dist.get_backend(group) != "gloo":
+        return None
+    options.timeout = timedelta(seconds=_limit())
+    return options
+
+
+def _all_gather_list(outs: List[torch.Tensor], x: torch.Tensor, group):
+    """dist.all_gather(outs, x, group, async_op=True), on gloo bounded by the wait's timeout."""
+    opts = _gloo_options(group, c10d.AllgatherOptions())
+    if opts is None:
+        return dist.all_gather(outs, x, group=group, async_op=True)
+    return group.allgather([outs], [x], opts)
 
 
 def _timeout_message(op: str, group, limit: Optional[float], cause) -> str:
@@ -226,7 +253,10 @@ def all_gather(x: torch.Tensor, group, op: str, async_op: bool = False):
     flat = torch.empty(cp * x.numel(), dtype=x.dtype, device=x.device)
     out = flat.view((cp,) + tuple(x.shape))
     count_bytes(op, x, cp - 1)
-    work = _all_gather_single(flat, x.contiguous().view(-1), group=group, async_op=True)
+    if dist.get_backend(group) == "gloo":
+        work = _all_gather_list(list(flat.view(cp, -1).unbind(0)), x.contiguous().view(-1), group)
+    else:
+        work = _all_gather_single(flat, x.contiguous().view(-1), group=group, async_op=True)
     if async_op:
         return out, work
     wait(work, op, group, flat)
@@ -249,7 +279,10 @@ def all_to_all(x: torch.Tensor, group, op: str) -> torch.Tensor:
     cp = dist.get_world_size(group)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     count_bytes(op, x[0], cp - 1)
-    wait(dist.all_to_all_single(out, x.contiguous(), group=group, async_op=True), op, group, out)
+    opts = _gloo_options(group, dist.AllToAllOptions())
+    work = (dist.all_to_all_single(out, x.contiguous(), group=group, async_op=True) if opts is None
+            else group.alltoall_base(out, x.contiguous(), [], [], opts))
+    wait(work, op, group, out)
     return out
 
 
@@ -278,7 +311,7 @@ def check_agreement(group, fields: Sequence[Tuple[str, str]], device, what: str,
     mine = torch.tensor([_code(fields)], dtype=torch.float64, device=device)
     cp = dist.get_world_size(group)
     everyone = [torch.empty_like(mine) for _ in range(cp)]
-    wait(dist.all_gather(everyone, mine, group=group, async_op=True), what, group, mine, host=True)
+    wait(_all_gather_list(everyone, mine, group), what, group, mine, host=True)
     table = torch.cat(everyone).cpu()
     if bool((table == table[0]).all()):
         return
@@ -302,10 +335,10 @@ def _gather_objects(obj, group, device, what: str) -> list:
     cp = dist.get_world_size(group)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(cp)]
     mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    wait(dist.all_gather(sizes, mine, group=group, async_op=True), what, group, mine, host=True)
+    wait(_all_gather_list(sizes, mine, group), what, group, mine, host=True)
     lengths = [int(t.item()) for t in sizes]
     padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
     padded[:data.numel()] = data
     bufs = [torch.empty_like(padded) for _ in range(cp)]
-    wait(dist.all_gather(bufs, padded, group=group, async_op=True), what, group, padded, host=True)
+    wait(_all_gather_list(bufs, padded, group), what, group, padded, host=True)
     return [pickle.loads(b[:n].cpu().numpy().tobytes()) for b, n in zip(bufs, lengths)]
