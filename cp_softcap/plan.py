@@ -8,7 +8,7 @@ zigzag / head geometry it runs on, or for one device the path (one kernel call, 
 documents, the exportable math). Plans are cached per (group, call signature) in a
 WeakKeyDictionary on the group object, so a reused object address never finds another group's
 plans; a plan refers to its groups weakly (_GroupRef), so a group and its plans are freed once
-the user drops the group. A call whose
+it is destroyed (torch.distributed keeps it until then) and the user holds it no more. A call whose
 raw arguments were seen before gets its plan from a cache keyed on them (_call_key), without
 validating them, building the spec or reading settings again. The plan is the only thing that
 crosses into the algorithms: each autograd.Function takes (q, k, v, plan).
@@ -227,7 +227,7 @@ def check_group(group, comm: str) -> None:
 
 
 def _non_member(group) -> bool:
-    """What dist.new_group returns on a rank outside the group (an int): _check_member says so."""
+    """What dist.new_group returns on a rank outside the group (an int): check_member says so."""
     return (dist.is_available() and isinstance(group, int)
             and group == dist.GroupMember.NON_GROUP_MEMBER)
 
@@ -257,7 +257,8 @@ def _as_process_group(group, comm: str):
     return group
 
 
-def _check_member(cp_size: int) -> None:
+def check_member(cp_size: int) -> None:
+    """ValueError unless this rank is a member of the CP group (cp_size from resolve_groups)."""
     if cp_size < 1:        # get_world_size(group) is -1 on a rank outside `group`
         me = dist.get_rank() if dist.is_available() and dist.is_initialized() else "?"
         raise ValueError(f"global rank {me} is not a member of the process group passed as the CP "
@@ -281,7 +282,7 @@ def spec_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap, caus
     """The validated AttnSpec of a call on these tensors."""
     needs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     refuse_cp(cp_size)     # every CP entry point builds its spec here, before any collective
-    _check_member(cp_size)
+    check_member(cp_size)
     return make_spec(head_dim=q.shape[-1], head_dim_v=v.shape[-1], num_heads=q.shape[2],
                      num_kv_heads=k.shape[2], dtype=q.dtype, device_type=q.device.type,
                      softcap=softcap, causal=causal, window=window, scale=scale,
@@ -511,7 +512,7 @@ def _cp_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple, c
              *, softcap, causal, window, scale, comm: str, backend: Backend, cu_seqlens=None) -> Plan:
     """The plan of a context-parallel call on this rank's shards, for groups/cp/rank from
     resolve_groups (cached per group and call signature)."""
-    _check_member(cp)
+    check_member(cp)
     where = f"CP rank {rank}"
     _check_inputs(q, k, v, cp, where, groups)
     spec = spec_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,

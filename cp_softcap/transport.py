@@ -11,7 +11,8 @@ NCCL matches point-to-point messages in posting order and ignores them.
 
 Waits on gloo, and waits whose result the host reads next (the cross-rank checks), block this
 thread for at most CP_SOFTCAP_TIMEOUT and then raise naming the op and the rank; gloo
-collectives carry the same timeout, so gloo ends the op too and the process can exit. Waits on CUDA
+collectives carry the same timeout, so gloo ends the op too and the process can exit (gloo's
+teardown of a failed op may end it with SIGABRT). Waits on CUDA
 tensors over NCCL only order the current stream after the transfer and return at once: torch's
 NCCL wait given a timeout blocks the host thread until the transfer ends, polling every
 millisecond, so the kernels of the next ring step could not be queued while the transfer runs.
@@ -118,8 +119,21 @@ def digest(fields: Sequence[Tuple[str, str]]) -> str:
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
+def on_gloo(group, device) -> bool:
+    """Whether ops on `group` with tensors on `device` run on gloo: a group made with
+    backend="gloo", or one made with several backends or none named (init_process_group()
+    without a backend: CPU tensors go to gloo, CUDA tensors to NCCL)."""
+    name = dist.get_backend(group)
+    if name in ("gloo", "nccl"):
+        return name == "gloo"
+    try:
+        return isinstance(group._get_backend(torch.device(device)), dist.ProcessGroupGloo)
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def needs_staging(group, tensor: torch.Tensor) -> bool:
-    return tensor.is_cuda and dist.get_backend(group) == "gloo"
+    return tensor.is_cuda and on_gloo(group, tensor.device)
 
 
 def stream_ordered(group, tensor: torch.Tensor) -> bool:
@@ -153,13 +167,14 @@ def _limit() -> float:
     return call.timeout if call is not None and call.timeout is not None else timeout_s()
 
 
-def _gloo_options(group, options):
-    """`options` (a c10d options object) with the wait's timeout when `group` is gloo, else None.
+def _gloo_options(group, options, device):
+    """`options` (a c10d options object) with the wait's timeout when ops on `group` with
+    tensors on `device` run on gloo, else None.
     gloo runs a collective on the group's worker thread until the op's own timeout (by default
     the group's: 30 min for new_group), whatever the wait's; a rank that raised the timeout
     error for a stalled peer could not exit before then, nor could torchrun restart the job.
     With the timeout in the op, gloo ends it itself."""
-    if dist.get_backend(group) != "gloo":
+    if not on_gloo(group, device):
         return None
     options.timeout = timedelta(seconds=_limit())
     return options
@@ -167,7 +182,7 @@ def _gloo_options(group, options):
 
 def _all_gather_list(outs: List[torch.Tensor], x: torch.Tensor, group):
     """dist.all_gather(outs, x, group, async_op=True), on gloo bounded by the wait's timeout."""
-    opts = _gloo_options(group, c10d.AllgatherOptions())
+    opts = _gloo_options(group, c10d.AllgatherOptions(), x.device)
     if opts is None:
         return dist.all_gather(outs, x, group=group, async_op=True)
     return group.allgather([outs], [x], opts)
@@ -253,7 +268,7 @@ def all_gather(x: torch.Tensor, group, op: str, async_op: bool = False):
     flat = torch.empty(cp * x.numel(), dtype=x.dtype, device=x.device)
     out = flat.view((cp,) + tuple(x.shape))
     count_bytes(op, x, cp - 1)
-    if dist.get_backend(group) == "gloo":
+    if on_gloo(group, x.device):
         work = _all_gather_list(list(flat.view(cp, -1).unbind(0)), x.contiguous().view(-1), group)
     else:
         work = _all_gather_single(flat, x.contiguous().view(-1), group=group, async_op=True)
@@ -279,7 +294,7 @@ def all_to_all(x: torch.Tensor, group, op: str) -> torch.Tensor:
     cp = dist.get_world_size(group)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     count_bytes(op, x[0], cp - 1)
-    opts = _gloo_options(group, dist.AllToAllOptions())
+    opts = _gloo_options(group, dist.AllToAllOptions(), x.device)
     work = (dist.all_to_all_single(out, x.contiguous(), group=group, async_op=True) if opts is None
             else group.alltoall_base(out, x.contiguous(), [], [], opts))
     wait(work, op, group, out)

@@ -96,16 +96,16 @@ def _hf_group_worker(rank, world, mesh_pair):
         refs, comm, arg = [weakref.ref(group)], "ring", group
     use_cp_group(arg, comm=comm)
     s = 8 * world
-    cu = np.array([0, 5, s])          # NumPy boundaries: checked, not remembered by value
     pos = cps.sharding.positions(s, world, rank, cu_seqlens=[0, 5, s])[None]
     shard = lambda t: cps.sharding.shard(t.transpose(1, 2), world, rank, cu_seqlens=[0, 5, s])  # noqa: E731
     q, k, v = (shard(torch.randn(1, 4, s, 8)).transpose(1, 2).requires_grad_() for _ in range(3))
-    for _ in range(2):
+    for _ in range(2):      # a new, equal NumPy array each call with the same position_ids
+        cu = np.array([0, 5, s])
         out, _ = cp_softcap_attention(None, q, k, v, softcap=30.0, position_ids=pos, cu_seqlens=cu)
         out.sum().backward()
     for g in ([a2a, ring] if mesh_pair else []) + [group]:
         dist.destroy_process_group(g)
-    del g, group, arg
+    del g, group, arg, out
     if mesh_pair:
         del a2a, ring
     gc.collect()
@@ -144,3 +144,21 @@ def _growing_worker(rank, world):
 def test_plan_caches_stay_bounded_under_cp_when_shapes_keep_changing():
     for plans, calls in run_ranks(_growing_worker, 2):
         assert plans <= 8 and calls <= 8, (plans, calls)
+
+
+def _non_member_worker(rank, world):
+    import torch.distributed as dist
+    from cp_softcap.integrations.hf import use_cp_group
+    group = dist.new_group([0])
+    try:
+        use_cp_group(group)
+    except ValueError as e:
+        return str(e)
+    finally:
+        use_cp_group(None)
+    return "accepted"
+
+
+def test_hf_use_cp_group_refuses_a_group_this_rank_is_not_in():
+    messages = run_ranks(_non_member_worker, 2)
+    assert messages[0] == "accepted" and "is not a member of the process group" in messages[1], messages

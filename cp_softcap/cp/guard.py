@@ -25,10 +25,9 @@ import weakref
 from contextlib import ExitStack
 
 import torch
-import torch.distributed as dist
 
 from ..plan import VALID_INPUTS, call_settings, signature, weak
-from ..transport import Call, check_agreement, digest, in_call
+from ..transport import Call, check_agreement, digest, in_call, on_gloo
 
 DOUBLE_BACKWARD = (
     "cp_softcap: double backward through context-parallel attention is not supported: this "
@@ -70,7 +69,7 @@ def _check_call(plan, call: Call) -> None:
     if plan.comm == "ring":
         return
     group = plan.heads.group if plan.heads is not None else plan.zigzag.group
-    if dist.get_backend(group) != "gloo":
+    if not on_gloo(group, "cpu"):
         return
     rows, _ = _rows(plan)
     check_agreement(group, (("call", call.text()),) + rows, torch.device("cpu"),
