@@ -410,9 +410,9 @@ def _recall(root, key) -> Optional[tuple]:
 
 
 def _memo(root, key, plan: Plan, groups: tuple) -> None:
-    """Remember (plan, weak(groups)) for `key`; keys with boundaries (key[0]) are evicted oldest first
-    beyond MAX_PACKED_PLANS per group, as in _remember, and any key beyond MAX_CALL_PLANS (calls
-    whose shapes keep changing, e.g. a growing KV length, must not grow the cache forever)."""
+    """Remember (plan, weak(groups)) for `key`, bounded by _evict (keys with boundaries, key[0],
+    are the packed ones; calls whose shapes keep changing, e.g. a growing KV length, must not
+    grow the cache forever)."""
     if key is None:
         return
     calls = _CALLS.setdefault(root, {})
@@ -420,12 +420,7 @@ def _memo(root, key, plan: Plan, groups: tuple) -> None:
         calls[key] = (plan, weak(groups))
     except TypeError:
         return
-    if key[0] is not None:
-        packed = [kk for kk in calls if kk[0] is not None]
-        for old in packed[:-MAX_PACKED_PLANS]:
-            del calls[old]
-    while len(calls) > MAX_CALL_PLANS:
-        del calls[next(iter(calls))]
+    _evict(calls, key[0] is not None, lambda kk, _: kk[0] is not None)
 
 
 def planning_inputs() -> Tuple[str, ...]:
@@ -548,15 +543,19 @@ MAX_CALL_PLANS = 256                # per group (or one device): raw calls remem
 
 
 def _remember(plans: dict, key: tuple, plan: Plan) -> None:
-    """Cache `plan`; packed plans are evicted oldest first beyond MAX_PACKED_PLANS per group, and
-    any plan beyond MAX_CALL_PLANS (shapes that keep changing, e.g. dynamic padding)."""
+    """Cache `plan`, bounded by _evict (shapes that keep changing, e.g. dynamic padding)."""
     plans[key] = plan
-    if plan.layout is not None:
-        packed = [k for k, p in plans.items() if p.layout is not None]
-        for old in packed[:-MAX_PACKED_PLANS]:
-            del plans[old]
-    while len(plans) > MAX_CALL_PLANS:
-        del plans[next(iter(plans))]
+    _evict(plans, plan.layout is not None, lambda _, p: p.layout is not None)
+
+
+def _evict(cache: dict, added_packed: bool, packed) -> None:
+    """Oldest first: packed entries (packed(key, value)) beyond MAX_PACKED_PLANS when a packed
+    one was just added, then any entry beyond MAX_CALL_PLANS."""
+    if added_packed:
+        for old in [k for k, v in cache.items() if packed(k, v)][:-MAX_PACKED_PLANS]:
+            del cache[old]
+    while len(cache) > MAX_CALL_PLANS:
+        del cache[next(iter(cache))]
 
 
 # The last boundaries and their layout: every layer of a step passes the same boundaries, and

@@ -268,10 +268,10 @@ def all_gather(x: torch.Tensor, group, op: str, async_op: bool = False):
     flat = torch.empty(cp * x.numel(), dtype=x.dtype, device=x.device)
     out = flat.view((cp,) + tuple(x.shape))
     count_bytes(op, x, cp - 1)
-    if on_gloo(group, x.device):
-        work = _all_gather_list(list(flat.view(cp, -1).unbind(0)), x.contiguous().view(-1), group)
-    else:
-        work = _all_gather_single(flat, x.contiguous().view(-1), group=group, async_op=True)
+    mine = x.contiguous().view(-1)
+    opts = _gloo_options(group, c10d.AllgatherOptions(), x.device)
+    work = (_all_gather_single(flat, mine, group=group, async_op=True) if opts is None
+            else group.allgather([list(flat.view(cp, -1).unbind(0))], [mine], opts))
     if async_op:
         return out, work
     wait(work, op, group, flat)

@@ -116,3 +116,21 @@ def test_raw_call_cache_stays_bounded_when_shapes_keep_changing():
         kv = torch.randn(1, n, 2, 8)
         cps.attention(q, kv, kv, softcap=30.0)
     assert len(plan_mod._CALLS[plan_mod._ONE_DEVICE]) <= plan_mod.MAX_CALL_PLANS
+
+
+def test_plan_cache_eviction_keeps_the_newest_within_both_bounds(monkeypatch):
+    """plan._evict (both plan caches): packed entries beyond MAX_PACKED_PLANS go oldest first,
+    other entries stay; then anything beyond MAX_CALL_PLANS goes oldest first."""
+    from cp_softcap import plan as plan_mod
+    monkeypatch.setattr(plan_mod, "MAX_PACKED_PLANS", 2)
+    monkeypatch.setattr(plan_mod, "MAX_CALL_PLANS", 5)
+    cache = {}
+    packed = lambda k, v: v == "packed"            # noqa: E731
+    for key, kind in [(1, "plain"), (2, "packed"), (3, "packed"), (4, "plain"), (5, "packed")]:
+        cache[key] = kind
+        plan_mod._evict(cache, kind == "packed", packed)
+    assert list(cache) == [1, 3, 4, 5]
+    for key in (6, 7):
+        cache[key] = "plain"
+        plan_mod._evict(cache, False, packed)
+    assert list(cache) == [3, 4, 5, 6, 7]

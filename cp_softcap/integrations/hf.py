@@ -51,7 +51,7 @@ import torch
 
 from ..api import attention, cp_attention
 from ..documents import PackedLayout
-from ..plan import boundary_values, check_member, resolve_groups
+from ..plan import boundary_values, check_member, resolve_groups, weak
 from ..selector import check_backend
 from ..sharding import positions as cp_positions
 from ..spec import check_comm
@@ -78,7 +78,7 @@ def use_cp_group(group, *, comm: str = "ring", backend: str = "auto") -> None:
         # where gloo's late teardown can abort a process whose run succeeded
         groups, cp, _ = resolve_groups(group, comm)
         check_member(cp)        # a rank outside the group: the library's error, now
-        held = tuple(weakref.ref(g) for g in groups)
+        held = weak(groups)
     _CONFIG.update(group=held, comm=comm, backend=backend)
     _CHECKED_POSITIONS.clear()
 
