@@ -240,9 +240,14 @@ fi
 # pytest -v: each test's verdict is in the log as it finishes, so a run cut by its timeout still
 # names the failures; the tail shows the failures and the counts.
 verdicts() { grep -E "(FAILED|ERROR) |^E  .*(mismatch|Error)|[0-9]+ (passed|failed)" | cut -c1-300 | tail -${1:-40}; }
-if [ "$phase" = pk1 ]; then
-  step "flex compile probe: small packed geometries, default vs forced main kernel"
-  timeout 150 $PY scripts/flex_compile_probe.py 2>&1 | tail -40 || rc=1
+install_liger() {                               # the liger-kernel wheel carried in .liger/, if any
+  step "install liger-kernel from .liger/"
+  if ls .liger/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-deps --no-index --no-compile .liger/*.whl 2>&1 | tail -3
+  fi
+}
+if [ "$phase" = pk1 ]; then                     # carry [".fa4a", ".liger"]: part a of fa4 stays for pk2
+  install_liger
   step "GPU tests without fa4/fa2: flex, sdpa, torch, merge, adapters, autocast, segments"
   timeout 280 $PY -m pytest tests/test_gpu_kernels.py tests/test_gpu_merge.py tests/test_kernel_adapters.py \
       tests/test_gpu_autocast.py tests/test_gpu_segments.py -v -rf --tb=short -n 8 -p no:cacheprovider \
@@ -250,7 +255,7 @@ if [ "$phase" = pk1 ]; then
 fi
 if [ "$phase" = pk2 ]; then
   step "GPU tests: fa4 varlen (segments), fa4 kernels, autocast"
-  timeout 500 $PY -m pytest tests/test_gpu_segments.py tests/test_gpu_kernels.py tests/test_gpu_autocast.py \
+  timeout 470 $PY -m pytest tests/test_gpu_segments.py tests/test_gpu_kernels.py tests/test_gpu_autocast.py \
       tests/test_kernel_adapters.py -v -rf --tb=short -n 8 -p no:cacheprovider -k "fa4 or auto" 2>&1 \
       | tee "$OUT/pytest_pk2_kernels.log" | verdicts || rc=1
 fi
@@ -258,6 +263,15 @@ if [ "$phase" = pk2b ]; then                    # same machine, fa4 installed by
   step "GPU CP tests: packed and unpacked, every comm type, 2 and 4 ranks on one GPU"
   timeout 500 $PY -m pytest tests/test_gpu_packed_cp.py tests/test_gpu_cp.py -v -rf --tb=short -n 6 \
       -p no:cacheprovider -k "not fa2" 2>&1 | tee "$OUT/pytest_pk2_cp.log" | verdicts || rc=1
+fi
+if [ "$phase" = pkcp ]; then                    # carry [".fa2"], fa4 installed by pk2: pk2b and pk4 in one call
+  install_fa2
+  step "GPU CP tests with every kernel (fa4, fa2, flex), packed and unpacked, 2 and 4 ranks on one GPU"
+  timeout 330 $PY -m pytest tests/test_gpu_packed_cp.py tests/test_gpu_cp.py -v -rf --tb=short -n 8 \
+      -p no:cacheprovider 2>&1 | tee "$OUT/pytest_pkcp.log" | verdicts || rc=1
+  step "GPU kernel, segments and autocast tests with flash-attn 2"
+  timeout 200 $PY -m pytest tests/test_gpu_segments.py tests/test_gpu_kernels.py tests/test_gpu_autocast.py \
+      -v -rf --tb=short -n 8 -p no:cacheprovider -k fa2 2>&1 | tee "$OUT/pytest_fa2.log" | verdicts || rc=1
 fi
 if [ "$phase" = pk3 ]; then
   install_fa2
@@ -315,10 +329,7 @@ if [ "$phase" = train26 ] || [ "$phase" = train26b ]; then   # one GPU; fa4 and 
   }
 fi
 if [ "$phase" = train26 ]; then                 # call 1 of 2: carry [".liger"]
-  step "install liger-kernel from .liger/"
-  if ls .liger/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-deps --no-index --no-compile .liger/*.whl 2>&1 | tail -3
-  fi
+  install_liger
   $PY -c "import sys; sys.path.insert(0, 'examples'); from gemma2 import fused; print('liger:', fused.liger_problem() or 'imports')" 2>&1 | tee -a "$log"
   step "Liger's RMSNorm/GEGLU/RoPE/loss against ours in bf16; the FLOP formula against flop_counter"
   timeout 150 $PY -m pytest tests/test_gemma2_liger.py tests/test_gemma2_flops.py -q -rf -p no:cacheprovider \
