@@ -68,6 +68,34 @@ def stream_order(layout, device) -> Tuple[torch.Tensor, torch.Tensor]:
     return idx.to(device), torch.argsort(idx).to(device)
 
 
+def disjoint_rows(kernel, q, k, v, calls, scale, softcap, head_dim_v: int):
+    """(out, lse) of calls whose rows are disjoint, in the kernel's own dtypes: nothing is
+    merged, so a widened accumulator would only cost copies. One call over every row returns
+    the kernel's tensors as they are (the common packed batch: one varlen call); otherwise rows
+    in no call are out 0, LSE -inf."""
+    b, t, hq = q.shape[:3]
+    if len(calls) == 1 and (calls[0].q0, calls[0].q1) == (0, t):
+        return call_forward(kernel, q, k, v, calls[0], scale, softcap)
+    out = lse = None
+    for c in calls:
+        o, l = call_forward(kernel, q, k, v, c, scale, softcap)
+        if out is None:
+            out = torch.zeros(b, t, hq, head_dim_v, dtype=o.dtype, device=q.device)
+            lse = torch.full((b, hq, t), float("-inf"), dtype=l.dtype, device=q.device)
+        out[:, c.q0:c.q1] = o
+        lse[:, :, c.q0:c.q1] = l
+    if out is None:                 # every row is padding
+        out = torch.zeros(b, t, hq, head_dim_v, dtype=q.dtype, device=q.device)
+        lse = torch.full((b, hq, t), float("-inf"), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def keys_disjoint(calls) -> bool:
+    """True when no key lies in two calls: each key's gradient is then one call's, unsummed."""
+    spans = sorted((c.k0, c.k1) for c in calls)
+    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
 def write_calls(kernel, q, k, v, calls, scale, softcap, out, lse) -> None:
     """Run calls whose rows are disjoint, writing each call's rows of (out, lse) (all_gather and
     a2a over packed documents: every row lies in at most one call)."""

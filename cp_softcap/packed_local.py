@@ -13,7 +13,7 @@ from typing import Tuple
 
 import torch
 
-from .calls import backward_into, write_calls
+from .calls import backward_into, disjoint_rows, keys_disjoint
 from .merge import GradAccumulator
 from .cp.guard import autocast_off, refuse_second_order
 from .doc_geometry import stream_calls
@@ -57,18 +57,17 @@ def packed_attention(q, k, v, plan, cu: Tuple[int, ...]):
 
 
 class PackedAttention(torch.autograd.Function):
-    """One device, packed documents: (q, k, v, plan, calls) -> (out in q's dtype, lse)."""
+    """One device, packed documents: (q, k, v, plan, calls) -> (out in q's dtype, lse).
+
+    The calls' rows are disjoint, so out and dQ take each row from exactly one call, in the
+    kernel's own dtype (no float32 copy of a 16-bit kernel's output); dK/dV are summed in
+    plan.grad_dtype only where a key lies in two calls (windowed pieces of one document)."""
 
     @staticmethod
     @autocast_off
     def forward(ctx, q, k, v, plan, calls):
-        spec, acc = plan.spec, plan.grad_dtype
-        b, t, hq, _ = q.shape
-        out = torch.zeros(b, t, hq, v.shape[-1], dtype=acc, device=q.device)
-        lse = torch.full((b, hq, t), float("-inf"), dtype=acc, device=q.device)
-        write_calls(plan.kernel, q, k, v, calls, spec.scale, spec.softcap, out, lse)
-        if acc == torch.float32:
-            lse = lse.float()
+        spec = plan.spec
+        out, lse = disjoint_rows(plan.kernel, q, k, v, calls, spec.scale, spec.softcap, v.shape[-1])
         ctx.calls = calls
         return save_for_local_backward(ctx, plan, q, k, v, out, lse)
 
@@ -76,10 +75,12 @@ class PackedAttention(torch.autograd.Function):
     @autocast_off
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, dout = saved_for_local_backward(ctx, dout)
-        spec, kernel = ctx.plan.spec, ctx.plan.kernel
-        acc = ctx.plan.grad_dtype
-        dq, dk, dv = (GradAccumulator(x.shape, acc, x.device) for x in (q, k, v))
-        backward_into(kernel, dout, q, k, v, out, lse, dlse, ctx.calls, spec.scale,
-                      spec.softcap, dq, dk, dv)
+        spec, kernel, calls = ctx.plan.spec, ctx.plan.kernel, ctx.calls
+        own = kernel.partial_dtype(q.dtype)
+        kv = own if keys_disjoint(calls) else ctx.plan.grad_dtype
+        dq = GradAccumulator(q.shape, own, q.device)
+        dk, dv = (GradAccumulator(x.shape, kv, x.device) for x in (k, v))
+        backward_into(kernel, dout, q, k, v, out, lse, dlse, calls, spec.scale, spec.softcap,
+                      dq, dk, dv)
         grads = dq.result().to(q.dtype), dk.result().to(k.dtype), dv.result().to(v.dtype)
         return second_order_safe(kernel, grads, (q, k, v)) + (None, None)
