@@ -9,7 +9,7 @@ import torch
 from cp_softcap.kernels import _common, get_kernel
 from cp_softcap.kernels.fa2 import FA2Kernel, backward_has_softcap, signature_family
 from cp_softcap.kernels.fa3 import bind_kwargs
-from cp_softcap.kernels.fa4 import FA4Kernel, fa4_rejection
+from cp_softcap.kernels.fa4 import FA4Kernel, fa4_rejection, tile_window
 from cp_softcap.kernels.flex import reweighted_grads_inputs
 from cp_softcap.kernels.sdpa import SdpaKernel
 from cp_softcap.kernels.torch_kernel import TorchKernel
@@ -78,6 +78,35 @@ def test_fa4_arch_rules():
     assert fa4_rejection(80, _spec(needs_backward=False)) is None
     assert "not supported" in fa4_rejection(75, _spec())
     assert fa4_rejection(None, _spec()) == "no CUDA device"
+
+
+def test_fa4_tile_window_rules():
+    assert tile_window((None, None), 90, 128, 2048, 28672) == (None, 28672)
+    assert tile_window((None, None), 90, 64, 300, 100) == (None, 300)
+    assert tile_window((None, None), 90, 256, 2048, 28672) == (None, None)     # head dim 256
+    assert tile_window((None, None), 100, 128, 2048, 28672) == (None, None)    # sm100
+    assert tile_window((None, None), None, 128, 8, 8) == (None, None)
+    assert tile_window((None, 0), 90, 128, 8, 8) == (None, 0)                  # causal unchanged
+    assert tile_window((5, 3), 90, 128, 8, 8) == (5, 3)
+
+
+@pytest.mark.parametrize("sq,sk,segments", [(40, 9, None), (9, 40, None), (17, 17, None),
+                                            (30, 30, ((0, 1, 12, 30), (0, 5, 5, 30))),
+                                            (30, 12, ((0, 20, 30), (0, 2, 12)))])
+def test_fa4_tile_window_is_the_same_attention(sq, sk, segments):
+    """The window tile_window substitutes shows every key to every row (bottom-right aligned,
+    per segment too): the reference kernel gives bit-equal results in float64."""
+    g = torch.Generator().manual_seed(sq * 100 + sk)
+    q = torch.randn(1, sq, 4, 16, generator=g, dtype=torch.float64) * 3
+    k, v = (torch.randn(1, sk, 2, 16, generator=g, dtype=torch.float64) * 3 for _ in range(2))
+    kern, kw = TorchKernel(), dict(scale=0.25, softcap=5.0)
+    if segments is not None:
+        kw["segments"] = segments
+    win = tile_window((None, None), 90, 16, sq, sk)
+    assert win != (None, None)
+    o1, l1 = kern.forward(q, k, v, window=(None, None), **kw)
+    o2, l2 = kern.forward(q, k, v, window=win, **kw)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2) and not o1.isnan().any()
 
 
 def test_flex_caps_have_no_cpu_backward():
