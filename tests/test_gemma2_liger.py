@@ -160,6 +160,52 @@ def test_model_calls_liger_as_defined(fake_liger):
     assert fused_choice(lig) == "none (pure PyTorch)"
 
 
+def _liger_slice(tokens, vocab, hidden, c):
+    """liger_kernel 0.8.5's slice length for chunk_mem_const c (fused_linear_cross_entropy.py)."""
+    inc = -(-vocab // (c * hidden))
+    n = -(-tokens // inc)
+    return min(1 << (n - 1).bit_length(), tokens)
+
+
+def test_liger_slices_are_large_and_bounded():
+    # Gemma2 2b at 8K tokens: Liger's default (c = 1) slices 128 tokens; ours 2048 (1 GiB of bf16)
+    assert _liger_slice(8192, 256000, 2304, 1) == 128
+    assert _liger_slice(8192, 256000, 2304, fused.liger_chunk_mem_const(8192, 256000, 2304, 2)) == 2048
+    assert _liger_slice(8192, 256000, 2304, fused.liger_chunk_mem_const(8192, 256000, 2304, 2, 1000)) == 512
+    for tokens in (1, 100, 4096, 8191, 32768, 131072):
+        for vocab, hidden in ((256000, 2304), (256000, 3584), (32000, 4096), (300, 64)):
+            for chunk in (None, 1, 300, 2048, 10 ** 6):
+                c = fused.liger_chunk_mem_const(tokens, vocab, hidden, 2, chunk)
+                target = chunk if chunk is not None else fused.SLICE_BYTES // (2 * vocab)
+                # never above the target, unless Liger's own default (c = 1) already is
+                assert c >= 1 and _liger_slice(tokens, vocab, hidden, c) <= max(
+                    target, _liger_slice(tokens, vocab, hidden, 1)), \
+                    (tokens, vocab, hidden, chunk)
+
+
+def test_liger_loss_gets_autocast_dtype_and_its_slices(fake_liger):
+    seen = []
+
+    def spy(*args):
+        seen.append((args[0].dtype, args[1].dtype, args[-1]))
+        return _flce(*args[:12])
+
+    sys.modules["liger_kernel.ops"].LigerFusedLinearCrossEntropyFunction = _fn(spy)
+    h = torch.randn(64, 32, requires_grad=True)
+    w = torch.randn(300, 32, requires_grad=True)
+    lab = torch.randint(0, 300, (64,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fused.softcap_cross_entropy_sum(h, w, lab, 5.0, chunk=16)
+    loss.backward()
+    assert seen == [(torch.bfloat16, torch.bfloat16, fused.liger_chunk_mem_const(64, 300, 32, 2, 16))]
+    assert loss.dtype == torch.float32 and w.grad.dtype == torch.float32 and h.grad.dtype == torch.float32
+    ref = softcap_cross_entropy_sum(h.detach(), w.detach(), lab, 5.0)
+    torch.testing.assert_close(loss.detach(), ref, rtol=2e-2, atol=0)
+    seen.clear()
+    fused.softcap_cross_entropy_sum(h, w, lab, 5.0)            # no autocast: float32 as given
+    assert seen[0][:2] == (torch.float32, torch.float32)
+
+
 # ------------------------------------------------------------------ the real kernels (CUDA)
 
 def _liger_on_cuda():

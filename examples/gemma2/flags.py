@@ -68,8 +68,9 @@ def parser(doc: str) -> Parser:
     a("--fused", default="auto", choices=CHOICES,
       help="RMSNorm, GEGLU, RoPE and the softcapped LM-head loss on Liger Kernel's fused GPU kernels: "
       "auto = on CUDA when liger_kernel imports (with --compile only the loss), liger = insist, "
-      "torch = never (the pure-PyTorch pieces). The Liger loss ignores --loss-chunk")
-    a("--loss-chunk", type=int, help="tokens per cross-entropy slice (None: 256 MiB of float32 logits)")
+      "torch = never (the pure-PyTorch pieces)")
+    a("--loss-chunk", type=int, help="tokens per cross-entropy slice (default: 256 MiB of float32 logits "
+      "for the PyTorch loss, 1 GiB of bf16 logits for Liger's, which rounds it down to a power of two)")
     a("--seq-len", type=int, default=256, help="global sequence length (a multiple of 2*cp)")
     a("--batch-size", type=int, default=8, help="sequences per dp rank per step")
     a("--pack", action="store_true", help="each sequence packs whole documents (the corpus split at "

@@ -206,7 +206,7 @@ class Gemma2(nn.Module):
             x = layer(x, cos, sin, cu_seqlens)
         h, cap = self.model.norm(x), cfg.final_logit_softcapping
         if labels is not None and self.liger_loss:
-            return fused.softcap_cross_entropy_sum(h, emb.weight, labels, cap)
+            return fused.softcap_cross_entropy_sum(h, emb.weight, labels, cap, self.loss_chunk)
         if labels is not None:
             return softcap_cross_entropy_sum(h, emb.weight, labels, cap, self.loss_chunk)
         logits = F.linear(h, emb.weight)     # tied lm_head
