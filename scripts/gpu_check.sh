@@ -52,6 +52,11 @@
 #                                      #   top kernels at 8K and 4K
 #   bash scripts/gpu_check.sh train26b # next call, same machine: 32K plan vs measured peak, HF
 #                                      #   attention impls (4K), the longest sequence that fits
+# Two calls on a fresh machine: the loss, packed-call and fa4-tile changes, re-measured:
+#   bash scripts/gpu_check.sh lg1      # call 1, carry [".fa4a", ".liger"]: Liger tests on the GPU
+#   bash .fa4b/install.sh && bash scripts/gpu_check.sh fix2
+#                                      # call 2, carry [".fa4b"]: fa4 tests (fully visible, segments,
+#                                      #   packed CP), cp_sim 27B per call, packed 9B, 2b train at 8K
 # On a several-GPU kind, in this order (each is call 2 of a pair, after .fa4a's call 1):
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh nccl
 #                                      # CP tests over NCCL, one rank per GPU: every comm type,
@@ -267,10 +272,10 @@ fi
 if [ "$phase" = pkcp ]; then                    # carry [".fa2"], fa4 installed by pk2: pk2b and pk4 in one call
   install_fa2
   step "GPU CP tests with every kernel (fa4, fa2, flex), packed and unpacked, 2 and 4 ranks on one GPU"
-  timeout 330 $PY -m pytest tests/test_gpu_packed_cp.py tests/test_gpu_cp.py -v -rf --tb=short -n 8 \
+  timeout 270 $PY -m pytest tests/test_gpu_packed_cp.py tests/test_gpu_cp.py -v -rf --tb=short -n 8 \
       -p no:cacheprovider 2>&1 | tee "$OUT/pytest_pkcp.log" | verdicts || rc=1
   step "GPU kernel, segments and autocast tests with flash-attn 2"
-  timeout 200 $PY -m pytest tests/test_gpu_segments.py tests/test_gpu_kernels.py tests/test_gpu_autocast.py \
+  timeout 110 $PY -m pytest tests/test_gpu_segments.py tests/test_gpu_kernels.py tests/test_gpu_autocast.py \
       -v -rf --tb=short -n 8 -p no:cacheprovider -k fa2 2>&1 | tee "$OUT/pytest_fa2.log" | verdicts || rc=1
 fi
 if [ "$phase" = pk3 ]; then
@@ -288,9 +293,6 @@ if [ "$phase" = pk3 ]; then
   step "cp_sim 27B heads (32/16, D 128), 32K, cp 8: profile and every call alone"
   timeout 120 $PY benchmarks/cp_sim.py $bench_args --rep-ms 60 --seqs 32768 --cps 8 --block-keys 32768 \
       --heads 32 16 128 --profile --per-call --tag profile_27b 2>&1 | grep -v USDT | tail -50 || rc=1
-  step "cp_sim 9B heads, 32K, cp 8: every call alone (the comparison)"
-  timeout 90 $PY benchmarks/cp_sim.py $bench_args --rep-ms 60 --seqs 32768 --cps 8 --block-keys 32768 \
-      --per-call --tag percall_9b 2>&1 | tail -16 || rc=1
   cp $bench_out/cp_sim_profile_27b.json $bench_out/cp_sim_percall_9b.json "$OUT/" 2>/dev/null
   step "cp_sim: Gemma2's local layers (window 4095), 9B heads, 32K, cp 8, host time and CUDA-graph replay"
   timeout 90 $PY benchmarks/cp_sim.py $bench_args --rep-ms 60 --seqs 32768 --cps 8 --block-keys 32768 \
@@ -311,6 +313,30 @@ if [ "$phase" = peers ]; then                   # one GPU, carry [".peers"] (scr
   step "peers: cps next to ring-flash-attn, yunchang and torch context_parallel, world size 1 (exactness vs float64 + fwd+bwd)"
   timeout 540 $PY benchmarks/peers.py $bench_args 2>&1 | tail -90 || rc=1
   cp $bench_out/peers_N1.json $bench_out/peers_N1.png "$OUT/" 2>/dev/null
+fi
+if [ "$phase" = lg1 ]; then                     # fresh machine, carry [".fa4a", ".liger"]
+  install_liger
+  step "Liger's pieces and loss (slices, autocast dtype) against ours in bf16; FLOP formula"
+  timeout 150 $PY -m pytest tests/test_gemma2_liger.py tests/test_gemma2_flops.py -q -rf -p no:cacheprovider \
+      2>&1 | tail -15 || rc=1
+fi
+if [ "$phase" = fix2 ]; then                    # next call, carry [".fa4b"], after .fa4b/install.sh
+  step "fa4 GPU tests: fully visible calls (windowed tiles at head dim 128), segments, packed CP"
+  timeout 150 $PY -m pytest tests/test_gpu_kernels.py tests/test_gpu_segments.py tests/test_gpu_packed_cp.py \
+      -v -rf --tb=short -n 8 -p no:cacheprovider -k "fa4 and not fp16 and not builtin" 2>&1 \
+      | tee "$OUT/pytest_fix2.log" | verdicts || rc=1
+  step "cp_sim 27B heads, 32K, cp 8: every call alone"
+  timeout 90 $PY benchmarks/cp_sim.py --rep-ms 60 --seqs 32768 --cps 8 --block-keys 32768 \
+      --heads 32 16 128 --per-call --tag percall_27b 2>&1 | grep -v USDT | tail -12 || rc=1
+  cp $bench_out/cp_sim_percall_27b.json "$OUT/" 2>/dev/null
+  step "packed kernels, 9B heads: the library's packed call against FA4's varlen function alone"
+  timeout 100 $PY benchmarks/packed_kernels.py --rep-ms 100 --models 9B --kernels fa4 fa4-kernel \
+      --tag fix2 2>&1 | tail -14 || rc=1
+  cp $bench_out/packed_kernels_fix2.json "$OUT/" 2>/dev/null
+  step "Gemma2 2b, 8K tokens, one GPU"
+  timeout 100 $PY examples/gemma2/train.py --config 2b --seq-len 8192 --batch-size 1 --max-steps 6 \
+      --no-progress --metrics "$OUT/train_fix2.jsonl" 2>&1 | grep -v "^step " | tail -5 || rc=1
+  tail -1 "$OUT/train_fix2.jsonl"
 fi
 if [ "$phase" = train26 ] || [ "$phase" = train26b ]; then   # one GPU; fa4 and fa2 installed
   G=examples/gemma2; T=/tmp/$phase; rm -rf $T; mkdir -p $T; log="$OUT/$phase.log"
