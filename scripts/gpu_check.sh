@@ -337,6 +337,9 @@ if [ "$phase" = fix2 ]; then                    # next call, carry [".fa4b"], af
   timeout 100 $PY examples/gemma2/train.py --config 2b --seq-len 8192 --batch-size 1 --max-steps 6 \
       --no-progress --metrics "$OUT/train_fix2.jsonl" 2>&1 | grep -v "^step " | tail -5 || rc=1
   tail -1 "$OUT/train_fix2.jsonl"
+  step "speed.py at 8K: each Liger piece on and off, then the top kernels"
+  timeout 110 $PY examples/gemma2/speed.py --config 2b --seq-len 8192 --batch-size 1 --no-progress --warm 1 \
+      --steps 2 --json "$OUT/speed_fix2.jsonl" --profile-table "$OUT/profile_fix2.txt" 2>&1 | grep -v "^ " | tail -12 || rc=1
 fi
 if [ "$phase" = train26 ] || [ "$phase" = train26b ]; then   # one GPU; fa4 and fa2 installed
   G=examples/gemma2; T=/tmp/$phase; rm -rf $T; mkdir -p $T; log="$OUT/$phase.log"
