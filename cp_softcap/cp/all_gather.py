@@ -21,9 +21,9 @@ import torch
 
 from ..doc_geometry import gathered_calls
 from ..layout import plan_pair
-from ..merge import GradAccumulator, new_accumulator
+from ..merge import GradAccumulator
 from ..transport import all_gather, reduce_scatter, wait
-from ..calls import backward_into, stream_order, write_calls
+from ..calls import backward_into, disjoint_rows, stream_order
 from .guard import shard_function
 from .packing import pack, unpack
 
@@ -78,7 +78,8 @@ def _chunk_calls(cp: int, rank: int, chunk: int, window):
 
 
 def all_gather_forward(q, k, v, plan):
-    """-> (out in the accumulation dtype, lse) of this rank's query shards."""
+    """-> (out, lse) of this rank's query shards: out in the accumulation dtype, or the kernel's
+    own for packed documents (no row is merged there)."""
     zz, spec = plan.zigzag, plan.spec
     if zz.documents is not None:
         return _packed_forward(q, k, v, plan)
@@ -152,10 +153,9 @@ def _gather_global(k, v, zz, op):
 def _packed_forward(q, k, v, plan):
     zz, spec = plan.zigzag, plan.spec
     kg, vg = _gather_global(k, v, zz, "all_gather.fwd.kv")
-    out, lse = new_accumulator(q.shape, v.shape[-1], plan.grad_dtype, q.device)
     calls = gathered_calls(zz.documents, zz.rank, zz.window)
-    write_calls(plan.kernel, q, kg, vg, calls, spec.scale, spec.softcap, out, lse)
-    return out, lse
+    # every row in at most one call: out in the kernel's dtype, nothing to merge
+    return disjoint_rows(plan.kernel, q, kg, vg, calls, spec.scale, spec.softcap, v.shape[-1])
 
 
 def _packed_backward(dout, q, k, v, out, lse, plan):
@@ -163,7 +163,7 @@ def _packed_backward(dout, q, k, v, out, lse, plan):
     kg, vg = _gather_global(k, v, zz, "all_gather.bwd.kv")
     dout, out, dlse = kernel.prepare_backward(dout, out, None, q.dtype)
     gdt = plan.grad_dtype
-    dq = GradAccumulator(q.shape, gdt, q.device)
+    dq = GradAccumulator(q.shape, kernel.partial_dtype(q.dtype), q.device)   # rows disjoint
     dk, dv = (GradAccumulator(t.shape, gdt, q.device) for t in (kg, vg))
     calls = gathered_calls(zz.documents, zz.rank, zz.window)
     backward_into(kernel, dout, q, kg, vg, out, lse, dlse, calls, spec.scale, spec.softcap, dq, dk, dv)
