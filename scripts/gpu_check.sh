@@ -317,23 +317,23 @@ fi
 if [ "$phase" = lg1 ]; then                     # fresh machine, carry [".fa4a", ".liger"]
   install_liger
   step "Liger's loss (slices, autocast dtype) against ours in bf16"
-  timeout 60 $PY -m pytest tests/test_gemma2_liger.py -q -rf -p no:cacheprovider -k "loss or slices" \
+  timeout 40 $PY -m pytest tests/test_gemma2_liger.py -q -rf -p no:cacheprovider -k "loss_with_softcap or training_step" \
       2>&1 | tail -8 || rc=1
 fi
 if [ "$phase" = fix2 ]; then                    # next call, carry [".fa4b"], after .fa4b/install.sh
   step "fa4 GPU tests: fully visible calls (windowed tiles at head dim 128) and the merged-LSE backward"
   timeout 70 $PY -m pytest tests/test_gpu_kernels.py -v -rf --tb=short -n 8 -p no:cacheprovider \
-      -k "fa4 and (windows or merged or causal_gqa)" 2>&1 | tee "$OUT/pytest_fix2.log" | verdicts || rc=1
+      -k "fa4 and (windows or merged)" 2>&1 | tee "$OUT/pytest_fix2.log" | verdicts || rc=1
   step "Gemma2 2b, 8K tokens, one GPU"
-  timeout 80 $PY examples/gemma2/train.py --config 2b --seq-len 8192 --batch-size 1 --max-steps 5 \
+  timeout 80 $PY examples/gemma2/train.py --config 2b --seq-len 8192 --batch-size 1 --max-steps 4 \
       --no-progress --metrics "$OUT/train_fix2.jsonl" 2>&1 | grep -v "^step " | tail -4 || rc=1
   tail -1 "$OUT/train_fix2.jsonl"
   step "packed kernels, 9B heads: the library's packed call against FA4's varlen function alone"
-  timeout 70 $PY benchmarks/packed_kernels.py --rep-ms 60 --models 9B --kernels fa4 fa4-kernel \
+  timeout 60 $PY benchmarks/packed_kernels.py --rep-ms 50 --models 9B --kernels fa4 fa4-kernel \
       --tag fix2 2>&1 | tail -10 || rc=1
   cp $bench_out/packed_kernels_fix2.json "$OUT/" 2>/dev/null
   step "cp_sim 27B heads, 32K, cp 8: every call alone"
-  timeout 60 $PY benchmarks/cp_sim.py --rep-ms 40 --seqs 32768 --cps 8 --block-keys 32768 \
+  timeout 50 $PY benchmarks/cp_sim.py --rep-ms 40 --seqs 32768 --cps 8 --block-keys 32768 \
       --heads 32 16 128 --per-call --tag percall_27b 2>&1 | grep -v USDT | tail -10 || rc=1
   cp $bench_out/cp_sim_percall_27b.json "$OUT/" 2>/dev/null
   step "speed.py at 8K: each Liger piece on and off, then the top kernels"
