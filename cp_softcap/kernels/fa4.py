@@ -25,6 +25,9 @@ row as for flash-attn 2), with the same score_mod softcap, window (bottom-right 
 segment) and GQA. The varlen LSE (and dLSE) is [H, B * Sq]; the contract's [B, H, Sq] is
 converted at this edge only. A row whose segment has no key gets out 0, LSE -inf.
 
+Fully visible calls at head dim <= 128 on sm90 are passed as windowed calls whose right bound
+passes every key (tile_window): the same attention on FA4's faster windowed backward tiles.
+
 Probe (fail closed): CUDA present; package importable; arch 8.x has no backward; sm100/sm110 with
 head dim 256 + softcap is rejected (its dedicated hd256 backward asserts softcap == 0, and has
 no dLSE); the functions must accept every keyword this adapter passes.
