@@ -199,6 +199,8 @@ def test_liger_loss_gets_autocast_dtype_and_its_slices(fake_liger):
     loss.backward()
     assert seen == [(torch.bfloat16, torch.bfloat16, fused.liger_chunk_mem_const(64, 300, 32, 2, 16))]
     assert loss.dtype == torch.float32 and w.grad.dtype == torch.float32 and h.grad.dtype == torch.float32
+    # the weight entered in bf16: its gradient carries one bf16 rounding, as under plain autocast
+    assert torch.equal(w.grad, w.grad.bfloat16().float())
     ref = softcap_cross_entropy_sum(h.detach(), w.detach(), lab, 5.0)
     torch.testing.assert_close(loss.detach(), ref, rtol=2e-2, atol=0)
     seen.clear()
