@@ -332,6 +332,7 @@ if [ "$phase" = fix2 ]; then                    # next call, carry [".fa4b"], af
   timeout 60 $PY benchmarks/packed_kernels.py --rep-ms 50 --models 9B --kernels fa4 fa4-kernel \
       --tag fix2 2>&1 | tail -10 || rc=1
   cp $bench_out/packed_kernels_fix2.json "$OUT/" 2>/dev/null
+  timeout 40 $PY benchmarks/packed_overhead.py --rep-ms 100 2>&1 | tail -6 || rc=1
   step "cp_sim 27B heads, 32K, cp 8: every call alone"
   timeout 50 $PY benchmarks/cp_sim.py --rep-ms 40 --seqs 32768 --cps 8 --block-keys 32768 \
       --heads 32 16 128 --per-call --tag percall_27b 2>&1 | grep -v USDT | tail -10 || rc=1
