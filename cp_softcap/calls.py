@@ -20,6 +20,7 @@ import torch
 
 from . import doc_geometry as dg
 from . import layout as zz_layout
+from .kernels.base import grad_dtype
 
 Ranges = Tuple[Tuple[int, int], ...]
 
@@ -86,7 +87,7 @@ def disjoint_rows(kernel, q, k, v, calls, scale, softcap, head_dim_v: int):
         lse[:, :, c.q0:c.q1] = l
     if out is None:                 # every row is padding
         out = torch.zeros(b, t, hq, head_dim_v, dtype=q.dtype, device=q.device)
-        lse = torch.full((b, hq, t), float("-inf"), dtype=torch.float32, device=q.device)
+        lse = torch.full((b, hq, t), float("-inf"), dtype=grad_dtype(q.dtype), device=q.device)
     return out, lse
 
 
