@@ -82,7 +82,8 @@ def test_fa4_arch_rules():
 
 def test_fa4_tile_window_rules():
     assert tile_window((None, None), 90, 128, 2048, 28672) == (None, 28672)
-    assert tile_window((None, None), 90, 64, 300, 100) == (None, 300)
+    assert tile_window((None, None), 90, 112, 300, 100) == (None, 300)
+    assert tile_window((None, None), 90, 96, 300, 100) == (None, None)          # same tiles there
     assert tile_window((None, None), 90, 256, 2048, 28672) == (None, None)     # head dim 256
     assert tile_window((None, None), 100, 128, 2048, 28672) == (None, None)    # sm100
     assert tile_window((None, None), None, 128, 8, 8) == (None, None)
@@ -102,7 +103,7 @@ def test_fa4_tile_window_is_the_same_attention(sq, sk, segments):
     kern, kw = TorchKernel(), dict(scale=0.25, softcap=5.0)
     if segments is not None:
         kw["segments"] = segments
-    win = tile_window((None, None), 90, 16, sq, sk)
+    win = tile_window((None, None), 90, 128, sq, sk)
     assert win != (None, None)
     o1, l1 = kern.forward(q, k, v, window=(None, None), **kw)
     o2, l2 = kern.forward(q, k, v, window=win, **kw)

@@ -25,7 +25,7 @@ row as for flash-attn 2), with the same score_mod softcap, window (bottom-right 
 segment) and GQA. The varlen LSE (and dLSE) is [H, B * Sq]; the contract's [B, H, Sq] is
 converted at this edge only. A row whose segment has no key gets out 0, LSE -inf.
 
-Fully visible calls at head dim <= 128 on sm90 are passed as windowed calls whose right bound
+Fully visible calls at head dim 97-128 on sm90 are passed as windowed calls whose right bound
 passes every key (tile_window): the same attention on FA4's faster windowed backward tiles.
 
 Probe (fail closed): CUDA present; package importable; arch 8.x has no backward; sm100/sm110 with
@@ -87,14 +87,15 @@ def exact_d_dlse(dout: torch.Tensor, out32: torch.Tensor, out_k: torch.Tensor,
 
 
 def tile_window(window: Window, arch: Optional[int], head_dim: int, sq: int, sk: int) -> Window:
-    """The window FA4 is called with. On sm90 a fully visible call at head dim <= 128 goes as a
+    """The window FA4 is called with. On sm90 a fully visible call at head dim 97-128 goes as a
     windowed call whose right bound passes every key (max(sq, sk) covers the bottom-right
-    offset of any segment): the same attention on FA4's windowed tiles. Its sm90 backward
-    tiles non-causal calls at head dim 128 with 80 query rows and a swapped dQ product, windowed
-    ones with 64 rows; measured on an H100 for 2048 x 28672, 32/16 heads, D 128: backward 460
-    against 256 TFLOP/s, forward 563 against 517 (benchmarks/RESULTS.md). Head dim 256 keeps the
-    plain call (its full-visibility backward is within 6 % of the causal rate)."""
-    if window == (None, None) and arch is not None and arch // 10 == 9 and head_dim <= 128:
+    offset of any segment): the same attention on FA4's windowed tiles. flash-attn-4 4.0.0b36's
+    `_tile_size_bwd_sm90` tiles non-causal backwards at these head dims with 80 query rows and a
+    swapped dQ product, causal or windowed ones with 64 rows; measured on an H100 for 2048 x
+    28672, 32/16 heads, D 128: backward 460 against 256 TFLOP/s, forward (same tile config)
+    563 against 517 (benchmarks/RESULTS.md). Other head dims get the same backward tiles either
+    way, or (256) a full-visibility backward within 6 % of the causal rate: unchanged."""
+    if window == (None, None) and arch is not None and arch // 10 == 9 and 96 < head_dim <= 128:
         return (None, max(sq, sk))
     return window
 
