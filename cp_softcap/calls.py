@@ -97,15 +97,6 @@ def keys_disjoint(calls) -> bool:
     return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
 
-def write_calls(kernel, q, k, v, calls, scale, softcap, out, lse) -> None:
-    """Run calls whose rows are disjoint, writing each call's rows of (out, lse) (all_gather and
-    a2a over packed documents: every row lies in at most one call)."""
-    for c in calls:
-        o, l = call_forward(kernel, q, k, v, c, scale, softcap)
-        out[:, c.q0:c.q1] = o
-        lse[:, :, c.q0:c.q1] = l
-
-
 def backward_into(kernel, dout, q, k, v, out, lse, dlse, calls, scale, softcap, dq, dk, dv) -> None:
     """Backward of `calls`, adding into the GradAccumulators dq (rows) and dk/dv (keys)."""
     for c in calls:

@@ -4,7 +4,8 @@ place of the one whole-sequence kernel call).
 
 Forward: seq_to_heads on q, k, v within the all-to-all group; attention over the group's whole
 sequence for this rank's heads (one kernel call with the real causal/window/softcap); then
-heads_to_seq back. The head-sharded q/k/v and the float32 output/LSE are saved, so the backward
+heads_to_seq back. The head-sharded q/k/v and the output/LSE (the kernel's for one call, float32
+merges for the ring of a2a+p2p) are saved, so the backward
 re-sends nothing but dout: it runs the kernel backward and returns the gradients through the
 adjoint all-to-all, summing replicated KV heads in float32, cast to the input dtype once. Each
 head's gradient is ONE kernel call's, so it travels in the kernel's own dtype (bf16 from
@@ -27,10 +28,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..calls import backward_into, stream_order, write_calls
+from ..calls import backward_into, disjoint_rows, stream_order
 from ..doc_geometry import stream_calls
 from ..kernels.base import grad_dtype
-from ..merge import GradAccumulator, new_accumulator
+from ..merge import GradAccumulator
 from ..transport import all_to_all
 from .guard import guarded
 
@@ -86,7 +87,7 @@ def heads_to_seq_sum(g: torch.Tensor, group, index: Sequence[Sequence[int]], num
 
 
 def a2a_forward(ctx, q, k, v, plan, attend):
-    """Re-shard by heads, attend(qh, kh, vh, plan) -> (float32 out, lse), re-shard back."""
+    """Re-shard by heads, attend(qh, kh, vh, plan) -> (out, lse), re-shard back."""
     heads = plan.heads
     zz = heads.zigzag_order
     qh = seq_to_heads(q, heads.group, heads.q_index, "a2a.fwd.q", zz)
@@ -113,12 +114,12 @@ def a2a_backward(ctx, dout, attend_backward):
 
 
 def _attend(q, k, v, plan):
-    """The whole sequence on this rank, one kernel call; float32 out for the backward."""
+    """The whole sequence on this rank, one kernel call: (out, lse) as the kernel returns them
+    (nothing is merged, so a widened copy would only cost memory and the backward's D fix-up)."""
     spec = plan.spec
     if plan.layout is not None:
         return _attend_packed(q, k, v, plan)
-    out, lse = plan.kernel.forward(q, k, v, scale=spec.scale, softcap=spec.softcap, window=spec.window)
-    return out.to(plan.grad_dtype), lse
+    return plan.kernel.forward(q, k, v, scale=spec.scale, softcap=spec.softcap, window=spec.window)
 
 
 def _attend_backward(dout, q, k, v, out, lse, plan):
@@ -137,9 +138,8 @@ def _attend_packed(q, k, v, plan):
     spec, layout = plan.spec, plan.layout
     idx, inv = stream_order(layout, q.device)
     qg, kg, vg = (t.index_select(1, inv) for t in (q, k, v))
-    out, lse = new_accumulator(q.shape, v.shape[-1], plan.grad_dtype, q.device)
     calls = stream_calls(layout.cu_seqlens, layout.seq_len, spec.window)
-    write_calls(plan.kernel, qg, kg, vg, calls, spec.scale, spec.softcap, out, lse)
+    out, lse = disjoint_rows(plan.kernel, qg, kg, vg, calls, spec.scale, spec.softcap, v.shape[-1])
     return out.index_select(1, idx), lse.index_select(2, idx)
 
 
