@@ -70,22 +70,28 @@ def stream_order(layout, device) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def disjoint_rows(kernel, q, k, v, calls, scale, softcap, head_dim_v: int):
-    """(out, lse) of calls whose rows are disjoint, in the kernel's own dtypes: nothing is
-    merged, so a widened accumulator would only cost copies. One call over every row returns
-    the kernel's tensors as they are (the common packed batch: one varlen call); otherwise rows
-    in no call are out 0, LSE -inf."""
-    b, t, hq = q.shape[:3]
-    if len(calls) == 1 and (calls[0].q0, calls[0].q1) == (0, t):
+    """(out, lse) of calls whose rows are disjoint, in the kernel's own dtypes (see rows_out).
+    One call over every row returns the kernel's tensors as they are (the common packed batch:
+    one varlen call)."""
+    if len(calls) == 1 and (calls[0].q0, calls[0].q1) == (0, q.shape[1]):
         return call_forward(kernel, q, k, v, calls[0], scale, softcap)
+    parts = ((c.q0, c.q1) + tuple(call_forward(kernel, q, k, v, c, scale, softcap)) for c in calls)
+    return rows_out(parts, q, head_dim_v)
+
+
+def rows_out(parts, q, head_dim_v: int):
+    """(out, lse) over q's rows from parts (q0, q1, out, lse) of disjoint row ranges, kept in the
+    kernel's own dtypes: nothing is merged, so a widened accumulator would only cost copies and,
+    for fa4, a D fix-up in backward. Rows in no part: out 0, LSE -inf."""
+    b, t, hq = q.shape[:3]
     out = lse = None
-    for c in calls:
-        o, l = call_forward(kernel, q, k, v, c, scale, softcap)
+    for q0, q1, o, l in parts:
         if out is None:
             out = torch.zeros(b, t, hq, head_dim_v, dtype=o.dtype, device=q.device)
             lse = torch.full((b, hq, t), float("-inf"), dtype=l.dtype, device=q.device)
-        out[:, c.q0:c.q1] = o
-        lse[:, :, c.q0:c.q1] = l
-    if out is None:                 # every row is padding
+        out[:, q0:q1] = o
+        lse[:, :, q0:q1] = l
+    if out is None:                 # no row sees a key (all padding, or outside the window)
         out = torch.zeros(b, t, hq, head_dim_v, dtype=q.dtype, device=q.device)
         lse = torch.full((b, hq, t), float("-inf"), dtype=grad_dtype(q.dtype), device=q.device)
     return out, lse

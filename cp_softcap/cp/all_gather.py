@@ -23,7 +23,7 @@ from ..doc_geometry import gathered_calls
 from ..layout import plan_pair
 from ..merge import GradAccumulator
 from ..transport import all_gather, reduce_scatter, wait
-from ..calls import backward_into, disjoint_rows, stream_order
+from ..calls import backward_into, disjoint_rows, rows_out, stream_order
 from .guard import shard_function
 from .packing import pack, unpack
 
@@ -78,25 +78,22 @@ def _chunk_calls(cp: int, rank: int, chunk: int, window):
 
 
 def all_gather_forward(q, k, v, plan):
-    """-> (out, lse) of this rank's query shards: out in the accumulation dtype, or the kernel's
-    own for packed documents (no row is merged there)."""
+    """-> (out, lse) of this rank's query shards, in the kernel's dtypes (every row is in one
+    kernel call: nothing is merged)."""
     zz, spec = plan.zigzag, plan.spec
     if zz.documents is not None:
         return _packed_forward(q, k, v, plan)
     kv = _Gathered(k, v, zz.group, zz.size, "all_gather.fwd.kv")
-    acc = plan.grad_dtype
-    out = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=acc, device=q.device)
-    lse = torch.full(q.shape[:1] + (q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
-    for row, call in _chunk_calls(zz.size, zz.rank, zz.chunk, zz.window):
-        if call is None:
-            continue
-        q0, q1, k0, k1, w = call
-        ks, vs = kv.keys(k0, k1)
-        o, l = plan.kernel.forward(q[:, row + q0:row + q1], ks, vs, scale=spec.scale,
-                                   softcap=spec.softcap, window=w)
-        out[:, row + q0:row + q1] = o
-        lse[:, :, row + q0:row + q1] = l
-    return out, lse
+
+    def parts():
+        for row, call in _chunk_calls(zz.size, zz.rank, zz.chunk, zz.window):
+            if call is not None:
+                q0, q1, k0, k1, w = call
+                ks, vs = kv.keys(k0, k1)
+                yield (row + q0, row + q1) + tuple(plan.kernel.forward(
+                    q[:, row + q0:row + q1], ks, vs, scale=spec.scale, softcap=spec.softcap, window=w))
+    # each row is in one call: out and LSE stay in the kernel's dtypes, nothing is merged
+    return rows_out(parts(), q, v.shape[-1])
 
 
 def all_gather_backward(dout, q, k, v, out, lse, plan):
@@ -105,11 +102,11 @@ def all_gather_backward(dout, q, k, v, out, lse, plan):
     if zz.documents is not None:
         return _packed_backward(dout, q, k, v, out, lse, plan)
     kv = _Gathered(k, v, zz.group, zz.size, "all_gather.bwd.kv")
-    # once per backward, not per call (e.g. fa4 casts the float32 O and corrects D here)
+    # once per backward, not per call (e.g. fa4 casts a float32 O and corrects D here)
     dout, out, dlse = kernel.prepare_backward(dout, out, None, q.dtype)
     gdt = plan.grad_dtype
     total = 2 * zz.size * zz.chunk
-    dq = GradAccumulator(q.shape, gdt, q.device)
+    dq = GradAccumulator(q.shape, kernel.partial_dtype(q.dtype), q.device)   # rows disjoint
     dk_full = GradAccumulator((k.shape[0], total) + tuple(k.shape[2:]), gdt, q.device)
     dv_full = GradAccumulator((v.shape[0], total) + tuple(v.shape[2:]), gdt, q.device)
     for row, call in _chunk_calls(zz.size, zz.rank, zz.chunk, zz.window):
