@@ -335,6 +335,16 @@ def test_liger_training_step_matches_pytorch():
         assert rel < 3e-2, (name, rel)
 
 
+def test_speed_variants_leave_one_piece_out(monkeypatch):
+    from gemma2 import speed
+    monkeypatch.setattr(fused, "liger_problem", lambda: None)
+    v = dict(speed.variants("cuda"))
+    assert list(v)[0] == "liger" and v["liger"] == fused.PIECES and v["torch"] == ()
+    for p in fused.PIECES:          # each piece alone on PyTorch, the other three on Liger
+        assert set(v[f"torch {p}"]) == set(fused.PIECES) - {p}
+    assert speed.variants("cpu") == [("torch", ())]
+
+
 def test_speed_script_runs_on_cpu(tmp_path):
     """examples/gemma2/speed.py (the GPU phase's per-piece timing and profile) on a tiny model:
     on CPU only the PyTorch variant runs; the JSON line and the profile table are written."""

@@ -4,11 +4,13 @@ torch.profiler table of the top kernels: which fused kernels win, and where the 
     python examples/gemma2/speed.py --config 2b --seq-len 8192 --batch-size 1 --json out.jsonl
 
 Takes train.py's flags (--fused is ignored: every variant is tried). One model is built; for
-each variant (all PyTorch; one Liger piece at a time; all four) it runs --warm untimed steps,
-then --steps timed ones, and records the median step time, tokens/s, MFU (flops.py) and
-torch.cuda.max_memory_allocated over the variant's steps (or the out-of-memory error of a variant
-that does not fit; the others still run). Then it profiles two steps of the last variant that
-fits and prints the kernels with the most GPU time (--profile-table writes the table to a file). On CPU the Liger variants are skipped (Liger's kernels are GPU-only).
+each variant (all four Liger pieces; each piece on PyTorch with the other three on Liger; all
+PyTorch) it runs --warm untimed steps, then --steps timed ones, and records the median step
+time, tokens/s, MFU (flops.py) and torch.cuda.max_memory_allocated over the variant's steps (or
+the out-of-memory error of a variant that does not fit; the others still run). Then it profiles
+two steps of the first variant that fits (all Liger on CUDA) and prints the kernels with the
+most GPU time (--profile-table writes the table to a file). On CPU the Liger variants are
+skipped (Liger's kernels are GPU-only).
 """
 from __future__ import annotations
 
@@ -39,9 +41,14 @@ def _extra(argv):
 
 
 def variants(device_type: str):
+    """(name, Liger pieces) of each timed variant: all of Liger's pieces (the default on CUDA),
+    then each piece in turn on PyTorch with the others on Liger (so a row's difference from the
+    first is that one piece's cost, not mixed with a slower piece elsewhere), then all PyTorch."""
     if device_type != "cuda" or fused.liger_problem():
         return [("torch", ())]
-    return [("torch", ())] + [(p, (p,)) for p in fused.PIECES] + [("liger", fused.PIECES)]
+    return ([("liger", fused.PIECES)]
+            + [(f"torch {p}", tuple(x for x in fused.PIECES if x != p)) for p in fused.PIECES]
+            + [("torch", ())])
 
 
 def main(argv=None) -> None:
@@ -95,7 +102,8 @@ def main(argv=None) -> None:
         print("no variant fits: no profile", flush=True)
         dist.destroy_process_group()
         return
-    fused.apply(model, tuple(fit[-1]["liger"]))     # profile the last variant that fits
+    prof_rec = fit[0]                                # the first that fits: all Liger on CUDA
+    fused.apply(model, tuple(prof_rec["liger"]))
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
@@ -106,7 +114,7 @@ def main(argv=None) -> None:
             torch.cuda.synchronize(d.device)
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=extra.top, max_name_column_width=70)
-    head = f"top kernels by {key}, 2 steps, variant {fit[-1]['variant']}, {' '.join(rest)}\n"
+    head = f"top kernels by {key}, 2 steps, variant {prof_rec['variant']}, {' '.join(rest)}\n"
     print(head + table, flush=True)
     if extra.profile_table and d.rank == 0:
         with open(extra.profile_table, "w") as f:
