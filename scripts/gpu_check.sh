@@ -322,8 +322,9 @@ if [ "$phase" = lg1 ]; then                     # fresh machine, carry [".fa4a",
 fi
 if [ "$phase" = fix2 ]; then                    # next call, carry [".fa4b"], after .fa4b/install.sh
   step "fa4 GPU tests: fully visible calls (windowed tiles at head dim 128) and the merged-LSE backward"
-  timeout 70 $PY -m pytest tests/test_gpu_kernels.py -v -rf --tb=short -n 8 -p no:cacheprovider \
-      -k "fa4 and (windows or merged)" 2>&1 | tee "$OUT/pytest_fix2.log" | verdicts || rc=1
+  timeout 80 $PY -m pytest tests/test_gpu_kernels.py tests/test_gpu_segments.py -v -rf --tb=short -n 8 \
+      -p no:cacheprovider -k "(fa4 and (windows or merged)) or (gemma2_heads and full)" 2>&1 \
+      | tee "$OUT/pytest_fix2.log" | verdicts || rc=1
   step "Gemma2 2b, 8K tokens, one GPU"
   timeout 80 $PY examples/gemma2/train.py --config 2b --seq-len 8192 --batch-size 1 --max-steps 4 \
       --no-progress --metrics "$OUT/train_fix2.jsonl" 2>&1 | grep -v "^step " | tail -4 || rc=1
