@@ -158,12 +158,14 @@ def guarded(function: type) -> type:
 def shard_function(name: str, forward, backward) -> type:
     """The guarded autograd.Function (q, k, v, plan) -> out of a scheme that attends with this
     rank's own shards as queries: forward(q, k, v, plan) -> (out, lse), out in the accumulation
-    dtype; backward(dout, q, k, v, out, lse, plan) -> (dq, dk, dv)."""
+    dtype where rows were merged (ring), else as the kernel returned it (all_gather);
+    backward(dout, q, k, v, out, lse, plan) -> (dq, dk, dv)."""
 
     def function_forward(ctx, q, k, v, plan):
         out, lse = forward(q, k, v, plan)
-        # The backward gets the merged output in the accumulation dtype: D = rowsum(dO * O)
-        # computed from a 16-bit O loses the gradient of near one-hot (saturated) rows.
+        # The backward gets the output as forward made it: a merged O stays in the accumulation
+        # dtype, since D = rowsum(dO * O) from a rounded merge loses the gradient of near one-hot
+        # (saturated) rows; a row one kernel call served keeps that kernel's own O.
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
         return out.to(q.dtype)
