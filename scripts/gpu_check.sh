@@ -55,8 +55,9 @@
 # Two calls on a fresh machine: the loss, packed-call and fa4-tile changes, re-measured:
 #   bash scripts/gpu_check.sh lg1      # call 1, carry [".fa4a", ".liger"]: Liger tests on the GPU
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh fix2
-#                                      # call 2, carry [".fa4b"]: fa4 tests (fully visible, segments,
-#                                      #   packed CP), cp_sim 27B per call, packed 9B, 2b train at 8K
+#                                      # call 2, carry [".fa4b"]: fa4 tests of fully visible calls
+#                                      #   (dense and varlen), 2b train at 8K, packed 9B (library vs
+#                                      #   FA4 alone), packed overhead, cp_sim 27B per call, speed.py
 # On a several-GPU kind, in this order (each is call 2 of a pair, after .fa4a's call 1):
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh nccl
 #                                      # CP tests over NCCL, one rank per GPU: every comm type,
