@@ -97,12 +97,6 @@ def rows_out(parts, q, head_dim_v: int):
     return out, lse
 
 
-def keys_disjoint(calls) -> bool:
-    """True when no key lies in two calls: each key's gradient is then one call's, unsummed."""
-    spans = sorted((c.k0, c.k1) for c in calls)
-    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-
-
 def backward_into(kernel, dout, q, k, v, out, lse, dlse, calls, scale, softcap, dq, dk, dv) -> None:
     """Backward of `calls`, adding into the GradAccumulators dq (rows) and dk/dv (keys)."""
     for c in calls:

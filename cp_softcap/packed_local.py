@@ -13,7 +13,7 @@ from typing import Tuple
 
 import torch
 
-from .calls import backward_into, disjoint_rows, keys_disjoint
+from .calls import backward_into, disjoint_rows
 from .merge import GradAccumulator
 from .cp.guard import autocast_off, refuse_second_order
 from .doc_geometry import stream_calls
@@ -59,9 +59,9 @@ def packed_attention(q, k, v, plan, cu: Tuple[int, ...]):
 class PackedAttention(torch.autograd.Function):
     """One device, packed documents: (q, k, v, plan, calls) -> (out in q's dtype, lse).
 
-    The calls' rows are disjoint, so out and dQ take each row from exactly one call, in the
-    kernel's own dtype (no float32 copy of a 16-bit kernel's output); dK/dV are summed in
-    plan.grad_dtype only where a key lies in two calls (windowed pieces of one document)."""
+    Each document lies whole in one call, its rows and its keys alike, so out, dQ and dK/dV take
+    each position from exactly one call and stay in the kernel's own dtype (no float32 copy of
+    a 16-bit kernel's output, nothing to sum)."""
 
     @staticmethod
     @autocast_off
@@ -77,9 +77,7 @@ class PackedAttention(torch.autograd.Function):
         q, k, v, out, lse, dout = saved_for_local_backward(ctx, dout)
         spec, kernel, calls = ctx.plan.spec, ctx.plan.kernel, ctx.calls
         own = kernel.partial_dtype(q.dtype)
-        kv = own if keys_disjoint(calls) else ctx.plan.grad_dtype
-        dq = GradAccumulator(q.shape, own, q.device)
-        dk, dv = (GradAccumulator(x.shape, kv, x.device) for x in (k, v))
+        dq, dk, dv = (GradAccumulator(x.shape, own, x.device) for x in (q, k, v))
         backward_into(kernel, dout, q, k, v, out, lse, dlse, calls, spec.scale, spec.softcap,
                       dq, dk, dv)
         grads = dq.result().to(q.dtype), dk.result().to(k.dtype), dv.result().to(v.dtype)

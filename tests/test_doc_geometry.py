@@ -183,9 +183,14 @@ def test_stream_calls_and_window_beyond_documents():
         cu, total = random_docs(rng, 2)
         for window in WINDOWS:
             pairs = Counter()
-            check_calls(tuple(cu), stream_calls(tuple(cu), total, window), list(range(total)),
-                        list(range(total)), window, pairs)
+            calls = stream_calls(tuple(cu), total, window)
+            check_calls(tuple(cu), calls, list(range(total)), list(range(total)), window, pairs)
             assert_exact(pairs, expected(tuple(cu), range(total), total, window), "stream")
+            # one device: no row and no key in two calls (packed_local keeps out, dQ and dK/dV
+            # in the kernel's dtype, unsummed)
+            for side in ((c.q0, c.q1) for c in calls), ((c.k0, c.k1) for c in calls):
+                spans = sorted(side)
+                assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), (cu, window, calls)
 
 
 def test_visibility_mask_brute_force():
