@@ -131,8 +131,7 @@ def softcap_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels
         dt = torch.get_autocast_dtype(dev)
         hidden, weight = hidden.to(dt), weight.to(dt)
     h = hidden.reshape(-1, hidden.shape[-1])
-    c = liger_chunk_mem_const(h.shape[0], weight.shape[0], weight.shape[1],
-                              torch.finfo(weight.dtype).bits // 8, chunk)
+    c = liger_chunk_mem_const(h.shape[0], weight.shape[0], weight.shape[1], weight.element_size(), chunk)
     # accum_dtype float32: the slices' gradient sum is float32 (Liger rounds it to weight's dtype)
     loss = LigerFusedLinearCrossEntropyFunction.apply(
         h, weight, labels.reshape(-1), None, None, -100, 0.0, 0.0,
