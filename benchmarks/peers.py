@@ -50,7 +50,7 @@ import os
 import sys
 import types
 import warnings
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -241,6 +241,10 @@ def _torch_systems(a, case, world, rank, cuda) -> List[System]:
         return [System("torch_cp", "flex", status=("not run", "packed documents need its per-document "
                                                    "load balancer and a document mask_mod: not wired in "
                                                    "this harness"))]
+    if not cuda:
+        return [System("torch_cp", m, status=("not runnable here", why)) for m, why in
+                [(f"sdpa-{b}", "its SDPA CP dispatches only the CUDA SDPA kernels") for b in a.sdpa_backends]
+                + [("flex", "its flex has no CPU backward")]]
     mesh = a.mesh or init_device_mesh(a.device.type, (world,))
     a.mesh = mesh
     out = []
@@ -261,7 +265,11 @@ def _torch_systems(a, case, world, rank, cuda) -> List[System]:
                       "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
             rep = q.shape[2] // k.shape[2]      # K/V heads repeated: its CP ring has no GQA path
             qt, kt, vt = (t.transpose(1, 2) for t in (q, k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)))
-            with context_parallel(mesh), sdpa_kernel(kernel):
+            # context_parallel needs at least one buffer to shard (it reads the sequence length and
+            # sets up its load balancer from it); q/k/v arrive sharded, so it gets the positions
+            pos = torch.arange(q.shape[1] * world, device=q.device)[None]
+            with context_parallel(mesh, buffers=[pos], buffer_seq_dims=[1], no_restore_buffers={pos}), \
+                    sdpa_kernel(kernel):
                 return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).transpose(1, 2)
         # its head-tail load balancer holds chunks r and 2N-1-r: our zigzag shard
         out.append(System("torch_cp", method, lambda x: shard(x, world, rank), call,
@@ -275,11 +283,9 @@ def _torch_flex(a, case, world, rank, mesh, cuda) -> System:
         _ContextParallel, _context_parallel_shard, _HeadTailLoadBalancer)
     from torch.distributed.tensor.parallel import parallelize_module
     from torch.nn.attention.flex_attention import create_block_mask
-    from benchmarks.torch_cp import _FlexAttention, _quiet_eager_flex
+    from benchmarks.torch_cp import _FlexAttention
     s, left = case["S"], (case["window"] or (None, 0))[0]
     try:
-        if not cuda:
-            _quiet_eager_flex()
         lb = _HeadTailLoadBalancer(s, world, a.device)
 
         def mask(b, h, q_idx, kv_idx):
