@@ -117,12 +117,21 @@ def _cps_systems(a, case, world, rank, group) -> List[System]:
     return out
 
 
+def _importable(module: str) -> bool:
+    try:
+        return module in sys.modules or importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:         # a parent package is missing
+        return False
+
+
 def _missing(module: str, cuda: bool, standin: bool) -> Optional[tuple]:
-    if module not in sys.modules and importlib.util.find_spec(module) is None:
+    if not _importable(module):
         return ("not installed", f"{module} is not importable (pip install -e '.[peers]' on a GPU "
                                  f"machine, or scripts/stage_peers.sh for one without an index)")
     if not cuda and not standin:
         return ("not runnable here", "calls flash-attn 2's CUDA kernels; no GPU in this run")
+    if not _importable("flash_attn.flash_attn_interface"):   # flash-attn 4 alone is not enough
+        return ("not installed", f"{module} runs on flash-attn 2, which is not importable")
     return None
 
 
