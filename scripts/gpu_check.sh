@@ -58,6 +58,16 @@
 #                                      # call 2, carry [".fa4b"]: fa4 tests of fully visible calls
 #                                      #   (dense and varlen), 2b train at 8K, packed 9B (library vs
 #                                      #   FA4 alone), packed overhead, cp_sim 27B per call, speed.py
+# What is left on one GPU after the second H100 run, four calls on a fresh machine:
+#   bash scripts/gpu_check.sh nx1      # call 1, carry [".fa4a", ".liger"]: Liger's GPU tests
+#   bash .fa4b/install.sh && bash scripts/gpu_check.sh nx2
+#                                      # call 2, carry [".fa4b"]: fa4 varlen tests of fully visible
+#                                      #   documents at Gemma2 heads, 2b train at 8K with --compile
+#                                      #   and with --pack, packed 27B (library vs FA4 alone)
+#   bash scripts/gpu_check.sh nx3      # call 3, carry [".fa2", ".peers"]: installs flash-attn 2
+#                                      #   and the peers, peers.py at world size 1 (every system)
+#   bash scripts/gpu_check.sh nx4      # call 4: HF attention with flash_attention_2, the longest
+#                                      #   2b sequence the plan fits, cp_sim of packed streams
 # On a several-GPU kind, in this order (each is call 2 of a pair, after .fa4a's call 1):
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh nccl
 #                                      # CP tests over NCCL, one rank per GPU: every comm type,
@@ -306,14 +316,52 @@ if [ "$phase" = pk4 ]; then                     # flash-attn 2 installed by pk3 
       tests/test_gpu_packed_cp.py tests/test_gpu_cp.py -v -rf --tb=short -n 8 -p no:cacheprovider -k fa2 \
       2>&1 | tee "$OUT/pytest_pk4.log" | verdicts || rc=1
 fi
-if [ "$phase" = peers ]; then                   # one GPU, carry [".peers"] (scripts/stage_peers.sh); flash-attn 2 installed
+if [ "$phase" = peers ] || [ "$phase" = nx3 ]; then   # one GPU, carry [".peers"] (scripts/stage_peers.sh) and .fa2
+  install_fa2
   step "install ring-flash-attn and yunchang from .peers/"
   if ls .peers/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-deps --no-index --no-compile .peers/*.whl 2>&1 | tail -3
   fi
   step "peers: cps next to ring-flash-attn, yunchang and torch context_parallel, world size 1 (exactness vs float64 + fwd+bwd)"
-  timeout 540 $PY benchmarks/peers.py $bench_args 2>&1 | tail -90 || rc=1
+  timeout 480 $PY benchmarks/peers.py $bench_args 2>&1 | tee "$OUT/peers_N1.log" | tail -90 || rc=1
   cp $bench_out/peers_N1.json $bench_out/peers_N1.png "$OUT/" 2>/dev/null
+fi
+if [ "$phase" = nx1 ]; then                     # fresh machine, carry [".fa4a", ".liger"]
+  install_liger
+  step "Liger's pieces against ours in bf16 on the GPU"
+  timeout 200 $PY -m pytest tests/test_gemma2_liger.py -q -rf -p no:cacheprovider 2>&1 | tail -8 || rc=1
+fi
+if [ "$phase" = nx2 ]; then                     # next call, carry [".fa4b"], after .fa4b/install.sh
+  step "fa4 varlen: fully visible documents at Gemma2 heads (windowed tiles)"
+  timeout 200 $PY -m pytest tests/test_gpu_segments.py -v -rf --tb=short -n 4 -p no:cacheprovider \
+      -k "gemma2_heads" 2>&1 | tee "$OUT/pytest_nx2.log" | verdicts || rc=1
+  for flag in --compile --pack; do
+    step "Gemma2 2b, 8K tokens, $flag"
+    timeout 170 $PY examples/gemma2/train.py --config 2b --seq-len 8192 --batch-size 1 --max-steps 6 \
+        --no-progress $flag --metrics "$OUT/train_8k${flag#-}.jsonl" 2>&1 | grep -v "^step " | tail -3 || rc=1
+    tail -1 "$OUT/train_8k${flag#-}.jsonl" 2>/dev/null
+  done
+  step "packed kernels, 27B heads: the library's packed call against FA4's varlen function alone"
+  timeout 70 $PY benchmarks/packed_kernels.py --rep-ms 50 --models 27B --kernels fa4 fa4-kernel \
+      --tag 27b_nx2 2>&1 | tail -10 || rc=1
+  cp $bench_out/packed_kernels_27b_nx2.json "$OUT/" 2>/dev/null
+fi
+if [ "$phase" = nx4 ]; then                     # same machine: fa4, fa2 and liger installed
+  step "HF Gemma2 with cp_softcap / eager / sdpa / flash_attention_2"
+  timeout 170 $PY benchmarks/hf_attention.py --seq-len 4096 --out-dir "$OUT" 2>&1 | cut -c1-200 | tail -8 || rc=1
+  for L in 131072 114688 98304 81920 65536; do
+    $PY examples/gemma2/train.py --plan --config 2b --seq-len $L --batch-size 1 --ac full | tail -1 | grep -q '^fits' && break
+  done
+  step "the longest 2b sequence the plan fits: $L tokens, --ac full"
+  timeout 200 $PY examples/gemma2/train.py --config 2b --seq-len $L --batch-size 1 --ac full --max-steps 3 \
+      --no-progress --metrics "$OUT/train_longest_$L.jsonl" 2>&1 | grep -v "^step " | tail -3 || rc=1
+  tail -1 "$OUT/train_longest_$L.jsonl" 2>/dev/null
+  for mix in longtail short; do
+    step "cp_sim: packed $mix stream, 128K, cp 8, fa4"
+    timeout 60 $PY benchmarks/cp_sim.py --rep-ms 40 --packed $mix --seqs 131072 --cps 8 --kernel fa4 \
+        --tag packed_${mix}_fa4 2>&1 | grep -v USDT | tail -6 || rc=1
+    cp $bench_out/cp_sim_packed_${mix}_fa4.json "$OUT/" 2>/dev/null
+  done
 fi
 if [ "$phase" = lg1 ]; then                     # fresh machine, carry [".fa4a", ".liger"]
   install_liger
