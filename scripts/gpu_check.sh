@@ -323,8 +323,11 @@ if [ "$phase" = peers ] || [ "$phase" = nx3 ]; then   # one GPU, carry [".peers"
     $PY -m pip install -q --no-deps --no-index --no-compile .peers/*.whl 2>&1 | tail -3
   fi
   step "peers: cps next to ring-flash-attn, yunchang and torch context_parallel, world size 1 (exactness vs float64 + fwd+bwd)"
-  timeout 480 $PY benchmarks/peers.py $bench_args 2>&1 | tee "$OUT/peers_N1.log" | tail -90 || rc=1
-  cp $bench_out/peers_N1.json $bench_out/peers_N1.png "$OUT/" 2>/dev/null
+  for m in 9B 27B; do                           # one JSON per head shape: a time limit keeps the first
+    timeout 240 $PY benchmarks/peers.py $bench_args --models $m --tag ${m,,} 2>&1 \
+        | tee "$OUT/peers_N1_${m,,}.log" | tail -45 || rc=1
+    cp $bench_out/peers_N1_${m,,}.json $bench_out/peers_N1_${m,,}.png "$OUT/" 2>/dev/null
+  done
 fi
 if [ "$phase" = nx1 ]; then                     # fresh machine, carry [".fa4a", ".liger"]
   install_liger
