@@ -80,13 +80,10 @@ class _FlexAttention(nn.Module):
         super().__init__()
         from torch.nn.attention.flex_attention import flex_attention
         if compiled:
-            # one compile per shape and cap: past dynamo's limit (8 per code object) it would fall
-            # back to eager flex silently, which materialises the scores (128 GiB at 27B heads,
-            # 32K); a higher limit, and an error instead of the fallback if even that is reached
-            cfg = torch._dynamo.config
-            cfg.recompile_limit = max(cfg.recompile_limit, 64)
-            if hasattr(cfg, "fail_on_recompile_limit_hit"):
-                cfg.fail_on_recompile_limit_hit = True
+            # one compile per shape and cap: past dynamo's limit (8 per code object) it falls back
+            # to eager flex silently, which materialises the scores (128 GiB at 27B heads, 32K)
+            from cp_softcap.kernels.flex import _raise_recompile_limit
+            _raise_recompile_limit(64)
         self.flex = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
         # one score_mod for every call: a new closure per call could make dynamo recompile
         self.score_mod = (lambda s, b, h, q_idx, kv_idx: cap * torch.tanh(s / cap)) if cap else None  # noqa: E731
