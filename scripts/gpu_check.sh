@@ -60,8 +60,9 @@
 #                                      #   FA4 alone), packed overhead, cp_sim 27B per call, speed.py
 # What is left on one GPU after the second H100 run, in order of priority (correctness first:
 # the last full GPU test run predates the kernel-dtype outputs and fa4's windowed tiles):
-#   pk1 (carry [".fa4a", ".liger"]), .fa4b/install.sh && pk2 (carry [".fa4b"]), pk2b, nx3 (carry
-#   [".fa2", ".peers"]), pk4, then nx2 and nx4 below.
+#   pk1 (carry [".fa4a", ".liger"]), .fa4b/install.sh && pk2 (carry [".fa4b"]), pkcp (carry
+#   [".fa2"]: CP tests with every kernel and the fa2 tests), nx3 (carry [".fa2", ".peers"]), then
+#   nx2 and nx4 below.
 #   bash scripts/gpu_check.sh nx1      # (instead of pk1 when only Liger is wanted) carry
 #                                      #   [".fa4a", ".liger"]: Liger's GPU tests
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh nx2
