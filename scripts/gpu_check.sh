@@ -10,6 +10,9 @@
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh extra
 #                                      # (call 2 of a second pair): cp_sim with CUDA graphs,
 #                                      #   cp_multi N=1, CP tests with 2/4 ranks on one GPU
+#   bash .fa4b/install.sh && bash scripts/gpu_check.sh final
+#                                      # (call 2): CP GPU tests, cp_sim with the once-per-backward
+#                                      #   O cast and D correction
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh blocks
 #                                      # (call 2): every GPU test (CP tests: 2/4 ranks on one
 #                                      #   GPU), fa4 framework overhead at 8K/32K, cp_sim sweep
@@ -41,6 +44,8 @@
 #                                      # call 2, carry [".fa4b"] (with .fa2 it is over the carry
 #                                      #   limit): fa4 varlen tests, every fa4 kernel and autocast test
 #   bash scripts/gpu_check.sh pk2b     # same machine: every CP test on one GPU (packed, unpacked)
+#   bash scripts/gpu_check.sh pkcp     # (same machine, carry [".fa2"]) pk2b and pk4 in one call:
+#                                      #   CP tests with fa4, fa2 and flex, then the fa2 tests
 #   bash scripts/gpu_check.sh pk3      # call 3 (same machine, carry [".fa2"]): installs flash-attn
 #                                      #   2; packed kernels vs cuDNN, cp_sim --packed with fa4, 27B
 #                                      #   per-call profile (fully visible calls also as windowed
