@@ -58,8 +58,9 @@ def _halves(cfg, act: int) -> Tuple[int, int]:
     lse = 4 * cfg.num_attention_heads
     if act == 4:     # x, norm y, normed; q/k: raw, rotated half, roped; v; attention out; o_proj out, norm y
         return 20 * h + 16 * q + 16 * kv + lse, 20 * h + 16 * i
-    # bf16 autocast: float32 residual and norm internals, bf16 copies into each matmul
-    return 18 * h + 8 * q + 8 * kv + lse, 18 * h + 8 * i
+    # bf16 autocast: float32 residual and norm internals, bf16 copies into each matmul (one
+    # shared copy for q/k/v and one for gate/up: model.autocast_inputs)
+    return 14 * h + 8 * q + 8 * kv + lse, 16 * h + 8 * i
 
 
 def _kernel_scratch(job: Job, queries: int, keys: int, heads: int) -> int:

@@ -59,6 +59,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+class _CastOnce(torch.autograd.Function):
+    """x -> n aliases of one cast of x to `dtype`; backward sums their n gradients in x's dtype.
+
+    Under autocast every matmul casts its float32 activation input again and keeps its own copy
+    for backward; q/k/v (and gate/up) share one input, so that is three (two) casts, three (two)
+    saved bf16 copies and, in backward, three (two) gradient casts and float32 adds. Here it is one
+    cast, one saved copy, one gradient cast and in-place float32 adds of the bf16 gradients:
+    the same values in forward and the same float32 sum of the same bf16 gradients in backward."""
+
+    @staticmethod
+    def forward(ctx, x, dtype, n):
+        ctx.dtype = x.dtype
+        y = x.to(dtype)
+        return tuple(y.view_as(y) for _ in range(n))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        total = None
+        for g in grads:
+            if g is not None:
+                total = g.to(ctx.dtype) if total is None else total.add_(g)
+        return total, None, None
+
+
+def autocast_inputs(x: torch.Tensor, n: int) -> tuple:
+    """n inputs for n matmuls of the same activation x: one shared cast under autocast."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+        if x.dtype == torch.float32 and dtype != x.dtype:
+            return _CastOnce.apply(x, dtype, n)
+    return (x,) * n
+
+
 class Attention(nn.Module):
     liger = False       # RoPE by Liger's kernel (fused.py)
 
@@ -77,9 +111,10 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, S, hidden] -> q [B, S, Hq, D], k, v [B, S, Hkv, D], RoPE applied to q and k."""
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.h, self.d)
-        k = self.k_proj(x).view(b, s, self.hkv, self.d)
-        v = self.v_proj(x).view(b, s, self.hkv, self.d)
+        xq, xk, xv = autocast_inputs(x, 3)
+        q = self.q_proj(xq).view(b, s, self.h, self.d)
+        k = self.k_proj(xk).view(b, s, self.hkv, self.d)
+        v = self.v_proj(xv).view(b, s, self.hkv, self.d)
         if self.liger:
             q, k = fused.rope(q, k, cos, sin)
             return q.to(v.dtype), k.to(v.dtype), v
@@ -100,9 +135,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xg, xu = autocast_inputs(x, 2)
         if self.liger:
-            return self.down_proj(fused.geglu(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+            return self.down_proj(fused.geglu(self.gate_proj(xg), self.up_proj(xu)))
+        return self.down_proj(F.gelu(self.gate_proj(xg), approximate="tanh") * self.up_proj(xu))
 
 
 class DecoderLayer(nn.Module):
