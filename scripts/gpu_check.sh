@@ -63,19 +63,20 @@
 #                                      # call 2, carry [".fa4b"]: fa4 tests of fully visible calls
 #                                      #   (dense and varlen), 2b train at 8K, packed 9B (library vs
 #                                      #   FA4 alone), packed overhead, cp_sim 27B per call, speed.py
-# What is left on one GPU after the second H100 run, in order of priority (correctness first:
-# the last full GPU test run predates the kernel-dtype outputs and fa4's windowed tiles):
-#   pk1 (carry [".fa4a", ".liger"]), .fa4b/install.sh && pk2 (carry [".fa4b"]), pkcp (carry
-#   [".fa2"]: CP tests with every kernel and the fa2 tests), nx3 (carry [".fa2", ".peers"]), then
-#   nx2 and nx4 below.
+# What is left on one GPU after the third H100 run (every GPU test file passed there), in order:
+#   nx1 (carry [".fa4a", ".liger"]), .fa4b/install.sh && mfu (carry [".fa4b"]), nx5, nx3 (carry
+#   [".fa2", ".peers"]), nx4.
+#   bash .fa4b/install.sh && bash scripts/gpu_check.sh mfu
+#                                      # call 2, carry [".fa4b"], Liger installed by nx1: speed.py
+#                                      #   --compile at 8K (auto's pick, all Liger, none) and the
+#                                      #   top kernels of auto's pick
 #   bash scripts/gpu_check.sh nx1      # (instead of pk1 when only Liger is wanted) carry
 #                                      #   [".fa4a", ".liger"]: Liger's GPU tests
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh nx2
 #                                      # call 2, carry [".fa4b"]: fa4 varlen tests of fully visible
 #                                      #   documents at Gemma2 heads, 2b train at 8K eager and with
 #                                      #   --compile
-#   bash scripts/gpu_check.sh nx5      # same machine: 2b train at 8K with --pack, packed 27B
-#                                      #   (library vs FA4 alone)
+#   bash scripts/gpu_check.sh nx5      # same machine: packed 27B (library vs FA4 alone)
 #   bash scripts/gpu_check.sh nx3      # call 3, carry [".fa2", ".peers"]: installs flash-attn 2
 #                                      #   and the peers, peers.py at world size 1 (every system)
 #   bash scripts/gpu_check.sh nx4      # call 4: HF attention with flash_attention_2, the longest
@@ -359,11 +360,13 @@ if [ "$phase" = nx2 ]; then                     # next call, carry [".fa4b"], af
     tail -1 "$OUT/train_8k${flag#--}.jsonl" 2>/dev/null
   done
 fi
+if [ "$phase" = mfu ]; then                     # carry [".fa4b"] after .fa4b/install.sh; Liger from nx1
+  step "speed.py --compile, 2b at 8K: auto's pick (Liger's loss), all Liger, none; top kernels"
+  timeout 420 $PY examples/gemma2/speed.py --config 2b --seq-len 8192 --batch-size 1 --no-progress --compile \
+      --warm 2 --steps 3 --json "$OUT/speed_compile.jsonl" --profile-table "$OUT/profile_compile.txt" 2>&1 \
+      | grep -v "^ \|exe_args" | tail -12 || rc=1
+fi
 if [ "$phase" = nx5 ]; then                     # same machine, fa4 installed
-  step "Gemma2 2b, 8K tokens, --pack"
-  timeout 150 $PY examples/gemma2/train.py --config 2b --seq-len 8192 --batch-size 1 --max-steps 6 \
-      --no-progress --pack --metrics "$OUT/train_8kpack.jsonl" 2>&1 | grep -v "^step " | tail -3 || rc=1
-  tail -1 "$OUT/train_8kpack.jsonl" 2>/dev/null
   step "packed kernels, 27B heads: the library's packed call against FA4's varlen function alone"
   timeout 70 $PY benchmarks/packed_kernels.py --rep-ms 50 --models 27B --kernels fa4 fa4-kernel \
       --tag 27b_nx2 2>&1 | tail -10 || rc=1

@@ -343,6 +343,10 @@ def test_speed_variants_leave_one_piece_out(monkeypatch):
     for p in fused.PIECES:          # each piece alone on PyTorch, the other three on Liger
         assert set(v[f"torch {p}"]) == set(fused.PIECES) - {p}
     assert speed.variants("cpu") == [("torch", ())]
+    # under --compile: auto's pick first (the profiled one), then all Liger, then none
+    c = speed.variants("cuda", compile=True)
+    assert c[0][1] == fused.choose("auto", "cuda", compile=True) == ("loss",)
+    assert dict(c)["compile, liger"] == fused.PIECES and dict(c)["compile, torch"] == ()
 
 
 def test_speed_script_runs_on_cpu(tmp_path):

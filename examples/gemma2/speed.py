@@ -8,7 +8,7 @@ each variant (all four Liger pieces; each piece on PyTorch with the other three 
 PyTorch) it runs --warm untimed steps, then --steps timed ones, and records the median step
 time, tokens/s, MFU (flops.py) and torch.cuda.max_memory_allocated over the variant's steps (or
 the out-of-memory error of a variant that does not fit; the others still run). Then it profiles
-two steps of the first variant that fits (all Liger on CUDA) and prints the kernels with the
+two steps of the first variant that fits (what --fused auto picks) and prints the kernels with the
 most GPU time (--profile-table writes the table to a file). On CPU the Liger variants are
 skipped (Liger's kernels are GPU-only).
 """
@@ -40,12 +40,17 @@ def _extra(argv):
     return p.parse_known_args(argv)
 
 
-def variants(device_type: str):
+def variants(device_type: str, compile: bool = False):
     """(name, Liger pieces) of each timed variant: all of Liger's pieces (the default on CUDA),
     then each piece in turn on PyTorch with the others on Liger (so a row's difference from the
-    first is that one piece's cost, not mixed with a slower piece elsewhere), then all PyTorch."""
+    first is that one piece's cost, not mixed with a slower piece elsewhere), then all PyTorch.
+    With --compile: what --fused auto picks there (Liger's loss only, inductor fusing the rest),
+    then all four Liger pieces, then none."""
     if device_type != "cuda" or fused.liger_problem():
         return [("torch", ())]
+    if compile:
+        return [("compile, liger loss", fused.choose("auto", device_type, compile=True)),
+                ("compile, liger", fused.PIECES), ("compile, torch", ())]
     return ([("liger", fused.PIECES)]
             + [(f"torch {p}", tuple(x for x in fused.PIECES if x != p)) for p in fused.PIECES]
             + [("torch", ())])
@@ -62,7 +67,7 @@ def main(argv=None) -> None:
     tok = args.batch_size * args.seq_len / d.cp
     step = 0
     lines = []
-    for name, pieces in variants(d.device.type):
+    for name, pieces in variants(d.device.type, args.compile):
         fused.apply(model, pieces)
         times = []
         if cuda:
@@ -102,7 +107,7 @@ def main(argv=None) -> None:
         print("no variant fits: no profile", flush=True)
         dist.destroy_process_group()
         return
-    prof_rec = fit[0]                                # the first that fits: all Liger on CUDA
+    prof_rec = fit[0]                                # the first that fits: --fused auto's pick
     fused.apply(model, tuple(prof_rec["liger"]))
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
