@@ -72,10 +72,6 @@
 #                                      #   top kernels of auto's pick
 #   bash scripts/gpu_check.sh nx1      # (instead of pk1 when only Liger is wanted) carry
 #                                      #   [".fa4a", ".liger"]: Liger's GPU tests
-#   bash .fa4b/install.sh && bash scripts/gpu_check.sh nx2
-#                                      # call 2, carry [".fa4b"]: fa4 varlen tests of fully visible
-#                                      #   documents at Gemma2 heads, 2b train at 8K eager and with
-#                                      #   --compile
 #   bash scripts/gpu_check.sh nx5      # same machine: packed 27B (library vs FA4 alone)
 #   bash scripts/gpu_check.sh nx3      # call 3, carry [".fa2", ".peers"]: installs flash-attn 2
 #                                      #   and the peers, peers.py at world size 1 (every system)
@@ -347,19 +343,6 @@ if [ "$phase" = nx1 ]; then                     # fresh machine, carry [".fa4a",
   step "Liger's pieces against ours in bf16 on the GPU"
   timeout 200 $PY -m pytest tests/test_gemma2_liger.py -q -rf -p no:cacheprovider 2>&1 | tail -8 || rc=1
 fi
-if [ "$phase" = nx2 ]; then                     # next call, carry [".fa4b"], after .fa4b/install.sh
-  step "fa4 varlen: fully visible documents at Gemma2 heads (windowed tiles)"
-  timeout 120 $PY -m pytest tests/test_gpu_segments.py -v -rf --tb=short -n 4 -p no:cacheprovider \
-      -k "gemma2_heads" 2>&1 | tee "$OUT/pytest_nx2.log" | verdicts || rc=1
-  for flag in --eager --compile; do           # eager: the shared q/k/v and gate/up cast
-    step "Gemma2 2b, 8K tokens, $flag"
-    arg=$flag; [ $flag = --eager ] && arg=""
-    timeout $([ $flag = --eager ] && echo 110 || echo 170) $PY examples/gemma2/train.py --config 2b \
-        --seq-len 8192 --batch-size 1 --max-steps 6 --no-progress $arg --metrics "$OUT/train_8k${flag#--}.jsonl" \
-        2>&1 | grep -v "^step " | tail -3 || rc=1
-    tail -1 "$OUT/train_8k${flag#--}.jsonl" 2>/dev/null
-  done
-fi
 if [ "$phase" = mfu ]; then                     # carry [".fa4b"] after .fa4b/install.sh; Liger from nx1
   step "speed.py --compile, 2b at 8K: auto's pick (Liger's loss), all Liger, none; top kernels"
   timeout 420 $PY examples/gemma2/speed.py --config 2b --seq-len 8192 --batch-size 1 --no-progress --compile \
@@ -369,8 +352,8 @@ fi
 if [ "$phase" = nx5 ]; then                     # same machine, fa4 installed
   step "packed kernels, 27B heads: the library's packed call against FA4's varlen function alone"
   timeout 70 $PY benchmarks/packed_kernels.py --rep-ms 50 --models 27B --kernels fa4 fa4-kernel \
-      --tag 27b_nx2 2>&1 | tail -10 || rc=1
-  cp $bench_out/packed_kernels_27b_nx2.json "$OUT/" 2>/dev/null
+      --tag 27b 2>&1 | tail -10 || rc=1
+  cp $bench_out/packed_kernels_27b.json "$OUT/" 2>/dev/null
 fi
 if [ "$phase" = nx4 ]; then                     # same machine: fa4, fa2 and liger installed
   step "HF Gemma2 with cp_softcap / eager / sdpa / flash_attention_2"
