@@ -351,8 +351,7 @@ def test_speed_variants_leave_one_piece_out(monkeypatch):
 
 def test_speed_script_runs_on_cpu(tmp_path):
     """examples/gemma2/speed.py (the GPU phase's per-piece timing and profile) on a tiny model:
-    on CPU only the PyTorch variant runs, as train.py runs it and with the token lookup's dense
-    gradient; the JSON lines and the profile table are written."""
+    on CPU only the PyTorch variant runs; the JSON line and the profile table are written."""
     import json
     import subprocess
     root = os.path.join(os.path.dirname(__file__), "..")
@@ -362,8 +361,6 @@ def test_speed_script_runs_on_cpu(tmp_path):
                           "--profile-table", str(tmp_path / "t.txt"), "--top", "3"],
                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
-    recs = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
-    assert [(r["variant"], r["sparse_lookup_grad"]) for r in recs] == [
-        ("torch", True), ("torch, dense lookup gradient", False)]
-    assert all(r["tokens_per_s"] > 0 and r["mfu"] is None for r in recs)
+    rec = json.loads((tmp_path / "s.jsonl").read_text())
+    assert rec["variant"] == "torch" and rec["tokens_per_s"] > 0 and rec["mfu"] is None
     assert "aten::" in (tmp_path / "t.txt").read_text()

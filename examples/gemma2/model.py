@@ -93,57 +93,16 @@ def autocast_inputs(x: torch.Tensor, n: int) -> tuple:
     return (x,) * n
 
 
-class _LowPrecisionLinear(torch.autograd.Function):
-    """y = x @ w.T with x and a cast of the float32 weight w in `dtype`; the weight's gradient
-    comes out of its matmul in float32.
-
-    Under autocast, a linear layer's weight gradient is a bf16 matmul output that a second kernel
-    casts to float32 for the float32 weight: a bf16 [out, in] tensor written and read again, and
-    the gradient rounded to bf16 on the way. Here the matmul accumulates and writes float32 at
-    once (torch.mm's out_dtype on CUDA; a float32 matmul of the same bf16 values elsewhere). The
-    forward and the input's gradient are autocast's, bitwise."""
-
-    @staticmethod
-    def forward(ctx, x, w, dtype):
-        wl = w.to(dtype)
-        ctx.save_for_backward(x, wl)
-        return F.linear(x, wl)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, wl = ctx.saved_tensors
-        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-        if g.device.type == "cuda":
-            gw = torch.mm(g2.t(), x2, out_dtype=torch.float32)
-        else:
-            gw = torch.mm(g2.t().float(), x2.float())
-        return g @ wl, gw, None
-
-
-class Linear(nn.Linear):
-    """nn.Linear (no bias) whose float32 weight, under autocast, gets its gradient in float32
-    straight from the matmul (_LowPrecisionLinear); outside autocast, or for a weight already in
-    the compute dtype (FSDP's bf16 parameters), it is nn.Linear."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dev = x.device.type
-        if self.bias is None and self.weight.dtype == torch.float32 and torch.is_autocast_enabled(dev):
-            dtype = torch.get_autocast_dtype(dev)
-            if dtype != torch.float32:
-                return _LowPrecisionLinear.apply(x.to(dtype), self.weight, dtype)
-        return super().forward(x)
-
-
 class Attention(nn.Module):
     liger = False       # RoPE by Liger's kernel (fused.py)
 
     def __init__(self, cfg: Gemma2Config, layer: int, cp_group, comm: str, backend: str):
         super().__init__()
         self.h, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, self.h * self.d, bias=False)
-        self.k_proj = Linear(cfg.hidden_size, self.hkv * self.d, bias=False)
-        self.v_proj = Linear(cfg.hidden_size, self.hkv * self.d, bias=False)
-        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=False)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
         sliding = cfg.layer_type(layer) == "sliding_attention"
         self.attn = CPAttention(cp_group, softcap=cfg.attn_logit_softcapping,
                                 window=(cfg.sliding_window - 1, 0) if sliding else None,
@@ -171,9 +130,9 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: Gemma2Config):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xg, xu = autocast_inputs(x, 2)
@@ -255,11 +214,6 @@ class Gemma2(nn.Module):
         self.model = Gemma2Body(cfg, cp_group, comm, backend)
         self.loss_chunk: Optional[int] = None     # tokens per loss slice (None: 256 MiB of logits)
         self.liger_loss = False                   # the loss by Liger's fused kernel (fused.py)
-        # The token lookup's gradient as a sparse tensor (one row per token) instead of a dense
-        # [vocab, hidden] one: the tied LM head's dense gradient arrives first in the backward and
-        # the rows are added into it in place. At Gemma2's 256K vocabulary that saves zeroing and
-        # re-adding a 2.4 GB float32 tensor every step. Off under FSDP, which shards dense gradients.
-        self.sparse_embedding_grad = False
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
@@ -282,8 +236,7 @@ class Gemma2(nn.Module):
         cfg, emb = self.cfg, self.model.embed_tokens
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-        x = F.embedding(input_ids, emb.weight, emb.padding_idx, sparse=self.sparse_embedding_grad)
-        x = x * torch.tensor(cfg.hidden_size ** 0.5, dtype=emb.weight.dtype)
+        x = emb(input_ids) * torch.tensor(cfg.hidden_size ** 0.5, dtype=emb.weight.dtype)
         cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, cu_seqlens)

@@ -7,9 +7,7 @@ Takes train.py's flags (--fused is ignored: every variant is tried). One model i
 each variant (all four Liger pieces; each piece on PyTorch with the other three on Liger; all
 PyTorch) it runs --warm untimed steps, then --steps timed ones, and records the median step
 time, tokens/s, MFU (flops.py) and torch.cuda.max_memory_allocated over the variant's steps (or
-the out-of-memory error of a variant that does not fit; the others still run). The first variant
-runs twice: as train.py runs it, and with the token lookup's dense gradient (without FSDP,
-train.py makes it sparse: model.sparse_embedding_grad). Then it profiles
+the out-of-memory error of a variant that does not fit; the others still run). Then it profiles
 two steps of the first variant that fits (what --fused auto picks) and prints the kernels with the
 most GPU time (--profile-table writes the table to a file). On CPU the Liger variants are
 skipped (Liger's kernels are GPU-only).
@@ -69,12 +67,8 @@ def main(argv=None) -> None:
     tok = args.batch_size * args.seq_len / d.cp
     step = 0
     lines = []
-    runs = [(name, pieces, True) for name, pieces in variants(d.device.type, args.compile)]
-    if not args.fsdp:           # the first variant again with the token lookup's dense gradient
-        runs.insert(1, (runs[0][0] + ", dense lookup gradient", runs[0][1], False))
-    for name, pieces, sparse in runs:
+    for name, pieces in variants(d.device.type, args.compile):
         fused.apply(model, pieces)
-        model.sparse_embedding_grad = sparse and not args.fsdp
         times = []
         if cuda:
             torch.cuda.reset_peak_memory_stats(d.device)
@@ -95,12 +89,10 @@ def main(argv=None) -> None:
             opt.zero_grad(set_to_none=True)
             if cuda:
                 torch.cuda.empty_cache()
-            rec = {"variant": name, "liger": list(pieces), "sparse_lookup_grad": model.sparse_embedding_grad,
-                   "flags": " ".join(rest), "error": oom}
+            rec = {"variant": name, "liger": list(pieces), "flags": " ".join(rest), "error": oom}
         else:
             s = statistics.median(times)
-            rec = {"variant": name, "liger": list(pieces), "sparse_lookup_grad": model.sparse_embedding_grad,
-                   "flags": " ".join(rest), "step_s": s,
+            rec = {"variant": name, "liger": list(pieces), "flags": " ".join(rest), "step_s": s,
                    "tokens_per_s": tok / s, "tflops": tok * flops / s / 1e12,
                    "mfu": tok * flops / s / metrics.PEAK_FLOPS if cuda else None,
                    "memory_gib": metrics.peak_memory_gib(d.device),
@@ -117,7 +109,6 @@ def main(argv=None) -> None:
         return
     prof_rec = fit[0]                                # the first that fits: --fused auto's pick
     fused.apply(model, tuple(prof_rec["liger"]))
-    model.sparse_embedding_grad = not args.fsdp
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:

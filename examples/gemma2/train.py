@@ -63,7 +63,6 @@ def build(args, cfg, d: parallel.Dist):
     with torch.device("meta" if args.fsdp else "cpu"):   # FSDP: materialise only this rank's shards
         model = Gemma2(cfg, group, comm=args.comm, backend=args.backend)
     model.loss_chunk = args.loss_chunk
-    model.sparse_embedding_grad = not args.fsdp
     fused.apply(model, fused.choose(args.fused, d.device.type, args.compile))
     parallelize.apply_ac(model, args.ac)
     if args.compile:
