@@ -30,6 +30,8 @@ class Job:
     comm: str = "ring"
     loss_chunk: Optional[int] = None
     device_type: str = "cpu"
+    # pieces run fused (Liger's kernels, or inductor's under --compile): they keep less
+    fused: Tuple[str, ...] = ()
 
     @property
     def dp(self) -> int:
@@ -51,16 +53,29 @@ def param_counts(cfg) -> Tuple[int, int]:
     return layer, model.num_params() - layer * cfg.num_hidden_layers
 
 
-def _halves(cfg, act: int) -> Tuple[int, int]:
-    """Saved bytes per token of a layer's attention half and feed-forward half (act = 2 or 4)."""
+def _halves(cfg, act: int, fused: Tuple[str, ...] = ()) -> Tuple[int, int]:
+    """Saved bytes per token of a layer's attention half and feed-forward half (act = 2 or 4),
+    with `fused` the pieces run by a fused kernel (fused.PIECES names)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     lse = 4 * cfg.num_attention_heads
     if act == 4:     # x, norm y, normed; q/k: raw, rotated half, roped; v; attention out; o_proj out, norm y
-        return 20 * h + 16 * q + 16 * kv + lse, 20 * h + 16 * i
-    # bf16 autocast: float32 residual and norm internals, bf16 copies into each matmul (one
-    # shared copy for q/k/v and one for gate/up: model.autocast_inputs)
-    return 14 * h + 8 * q + 8 * kv + lse, 16 * h + 8 * i
+        attn, mlp = 20 * h + 16 * q + 16 * kv + lse, 20 * h + 16 * i
+    else:
+        # bf16 autocast: float32 residual and norm internals, bf16 copies into each matmul (one
+        # shared copy for q/k/v and one for gate/up: model.autocast_inputs)
+        attn, mlp = 14 * h + 8 * q + 8 * kv + lse, 16 * h + 8 * i
+    # Fused pieces keep less (counted with saved_tensors_hooks on the pieces as Liger saves
+    # them; inductor's partitioner recomputes the same pointwise work instead of keeping it):
+    # RMSNorm keeps its input and one float32 per row, not the float32 normalised copies (two
+    # norms per half); GEGLU keeps gate and up, not gelu(gate) too. RoPE keeps cos and sin
+    # either way.
+    if "rms_norm" in fused:
+        norms = (10 if act == 2 else 8) * h
+        attn, mlp = attn - norms, mlp - norms
+    if "geglu" in fused:
+        mlp -= act * i
+    return attn, mlp
 
 
 def _kernel_scratch(job: Job, queries: int, keys: int, heads: int) -> int:
@@ -118,7 +133,7 @@ def estimate(job: Job) -> List[Tuple[str, int]]:
     total = layer * n_layers + root
     act = 2 if job.dtype == "bfloat16" else 4
     shard = job.world if job.fsdp else 1
-    attn_half, mlp_half = _halves(c, act)
+    attn_half, mlp_half = _halves(c, act, job.fused)
     # the residual stream: float32 (float32 weights), bf16 when FSDP2 gathers bf16 weights
     res = 2 if act == 2 and job.fsdp else 4
     per_layer = {"none": attn_half + mlp_half, "selective": attn_half + res * c.hidden_size,
@@ -133,7 +148,12 @@ def estimate(job: Job) -> List[Tuple[str, int]]:
               (f"attention buffers ({job.comm})", _attention_buffers(job, act)),
               ("loss slices + tied-embedding gradient", _loss_buffers(job, act))]
     if act == 2 and not job.fsdp:
-        during.append(("bf16 weight copies kept for backward (autocast)", 2 * layer * n_layers))
+        # autocast's bf16 copy of each weight lives as long as the matmul's saved input: AC drops
+        # the copies of what it recomputes, and the recompute holds one layer's again
+        h, i = c.hidden_size, c.intermediate_size
+        attn_w = h * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+        kept = {"none": layer * n_layers, "selective": attn_w * n_layers + 3 * h * i, "full": layer}[job.ac]
+        during.append(("bf16 weight copies kept for backward (autocast)", 2 * kept))
     if job.fsdp:       # gathered weights and their grads, and a float32 reduce-scatter input
         during.append(("FSDP2 unsharded embedding + 2 layers", (2 * res) * (root + 2 * layer) + 4 * layer))
         end = [("gradients (sharded) + embedding reduce-scatter", 4 * total // shard + 4 * root)]

@@ -41,7 +41,8 @@ def lr_at(step: int, args) -> float:
 def plan_job(args, cfg, world: int) -> memory.Job:
     return memory.Job(cfg, args.seq_len, args.batch_size, world, args.cp or world, fsdp=args.fsdp,
                       ac=args.ac, dtype=flags.compute_dtype(args), comm=args.comm,
-                      loss_chunk=args.loss_chunk, device_type=flags.device_type(args))
+                      loss_chunk=args.loss_chunk, device_type=flags.device_type(args),
+                      fused=fused.PIECES if args.compile else fused.choose(args.fused, flags.device_type(args)))
 
 
 def check_memory(args, job: memory.Job) -> None:
