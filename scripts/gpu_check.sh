@@ -63,9 +63,10 @@
 #                                      # call 2, carry [".fa4b"]: fa4 tests of fully visible calls
 #                                      #   (dense and varlen), 2b train at 8K, packed 9B (library vs
 #                                      #   FA4 alone), packed overhead, cp_sim 27B per call, speed.py
-# What is left on one GPU after the third H100 run (every GPU test file passed there), in order:
-#   nx1 (carry [".fa4a", ".liger"]), .fa4b/install.sh && mfu (carry [".fa4b"]), nx5, nx3 (carry
-#   [".fa2", ".peers"]), nx4.
+# What is left on one GPU (after the H200 run of 2026-12-06: mfu, nx5, nx4 and nx3's 9B heads
+# are measured), in order: nx1 (carry [".fa4a", ".liger"]), then nx3 (carry [".fa2", ".peers"];
+# the 27B heads and the window-with-cap and packed cases), then nx4 (the longest fit, now up to
+# the ~296K the plan fits on an H200), then mfu on an H100 (carry [".fa4b"] after install).
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh mfu
 #                                      # call 2, carry [".fa4b"], Liger installed by nx1: speed.py
 #                                      #   --compile at 8K (auto's pick, all Liger, none) and the
@@ -359,13 +360,13 @@ if [ "$phase" = nx4 ]; then                     # same machine: fa4, fa2 and lig
   step "HF Gemma2 with cp_softcap / eager / sdpa / flash_attention_2"
   timeout 170 $PY benchmarks/hf_attention.py --seq-len 4096 --out-dir "$OUT" 2>&1 | cut -c1-200 | tail -8 || rc=1
   fit=""
-  for L in 131072 114688 98304 81920 65536; do
+  for L in 294912 262144 196608 131072 98304 65536; do   # the plan fits up to ~296K on an H200
     $PY examples/gemma2/train.py --plan --config 2b --seq-len $L --batch-size 1 --ac full | tail -1 \
         | grep -q '^fits' && { fit=$L; break; }
   done
   if [ -n "$fit" ]; then
     step "the longest 2b sequence the plan fits: $fit tokens, --ac full"
-    timeout 200 $PY examples/gemma2/train.py --config 2b --seq-len $fit --batch-size 1 --ac full --max-steps 3 \
+    timeout 300 $PY examples/gemma2/train.py --config 2b --seq-len $fit --batch-size 1 --ac full --max-steps 2 \
         --no-progress --metrics "$OUT/train_longest_$fit.jsonl" 2>&1 | grep -v "^step " | tail -3 || rc=1
     tail -1 "$OUT/train_longest_$fit.jsonl" 2>/dev/null
   else
