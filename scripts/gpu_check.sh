@@ -64,9 +64,9 @@
 #                                      #   (dense and varlen), 2b train at 8K, packed 9B (library vs
 #                                      #   FA4 alone), packed overhead, cp_sim 27B per call, speed.py
 # What is left on one GPU (after the H200 run of 2026-12-06: mfu, nx5, nx4 and nx3's 9B heads
-# are measured), in order: nx1 (carry [".fa4a", ".liger"]), then nx3 (carry [".fa2", ".peers"];
-# the 27B heads and the window-with-cap and packed cases), then nx4 (the longest fit, now up to
-# the ~296K the plan fits on an H200), then mfu on an H100 (carry [".fa4b"] after install).
+# are measured), in order: nx1 (carry [".fa4a", ".liger"]); .fa4b/install.sh && nx4 (carry
+# [".fa4b"]: 32K --ac selective and the longest fit, up to the ~296K the plan fits on an H200);
+# nx3 (carry [".fa2", ".peers"]: the 27B heads, window with cap, packed); mfu on an H100.
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh mfu
 #                                      # call 2, carry [".fa4b"], Liger installed by nx1: speed.py
 #                                      #   --compile at 8K (auto's pick, all Liger, none) and the
