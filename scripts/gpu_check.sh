@@ -69,8 +69,8 @@
 # nx3 (carry [".fa2", ".peers"]: the 27B heads, window with cap, packed); mfu on an H100.
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh mfu
 #                                      # call 2, carry [".fa4b"], Liger installed by nx1: speed.py
-#                                      #   --compile at 8K (auto's pick, all Liger, none) and the
-#                                      #   top kernels of auto's pick
+#                                      #   --compile at 8K (auto's pick, all Liger, none), the top
+#                                      #   kernels of auto's pick and where its GPU waited (trace)
 #   bash scripts/gpu_check.sh nx1      # (instead of pk1 when only Liger is wanted) carry
 #                                      #   [".fa4a", ".liger"]: Liger's GPU tests
 #   bash scripts/gpu_check.sh nx5      # same machine: packed 27B (library vs FA4 alone)
@@ -348,8 +348,8 @@ fi
 if [ "$phase" = mfu ]; then                     # carry [".fa4b"] after .fa4b/install.sh; Liger from nx1
   step "speed.py --compile, 2b at 8K: auto's pick (Liger's loss), all Liger, none; top kernels"
   timeout 420 $PY examples/gemma2/speed.py --config 2b --seq-len 8192 --batch-size 1 --no-progress --compile \
-      --warm 2 --steps 3 --json "$OUT/speed_compile.jsonl" --profile-table "$OUT/profile_compile.txt" 2>&1 \
-      | grep -v "^ \|exe_args" | tail -12 || rc=1
+      --warm 2 --steps 3 --json "$OUT/speed_compile.jsonl" --profile-table "$OUT/profile_compile.txt" \
+      --trace "$OUT/trace_compile.json.gz" 2>&1 | grep -v "^ \|exe_args" | tail -30 || rc=1
 fi
 if [ "$phase" = nx5 ]; then                     # same machine, fa4 installed
   step "packed kernels, 27B heads: the library's packed call against FA4's varlen function alone"

@@ -9,8 +9,9 @@ PyTorch) it runs --warm untimed steps, then --steps timed ones, and records the 
 time, tokens/s, MFU (flops.py) and torch.cuda.max_memory_allocated over the variant's steps (or
 the out-of-memory error of a variant that does not fit; the others still run). Then it profiles
 two steps of the first variant that fits (what --fused auto picks) and prints the kernels with the
-most GPU time (--profile-table writes the table to a file). On CPU the Liger variants are
-skipped (Liger's kernels are GPU-only).
+most GPU time (--profile-table writes the table to a file; --trace the Chrome trace, and prints
+where the GPU waited between kernels, gaps.py). On CPU the Liger variants are skipped (Liger's
+kernels are GPU-only).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gemma2 import flags, fused, metrics, parallel, train  # noqa: E402
+from gemma2 import flags, fused, gaps, metrics, parallel, train  # noqa: E402
 
 
 def _extra(argv):
@@ -37,6 +38,8 @@ def _extra(argv):
     p.add_argument("--json", help="append one JSON line per variant here")
     p.add_argument("--profile-table", help="write the profiler's top-kernel table here")
     p.add_argument("--top", type=int, default=25, help="rows of the top-kernel table")
+    p.add_argument("--trace", help="write the profiled steps' Chrome trace here (.json or .json.gz) "
+                   "and print where the GPU waited (gaps.py)")
     return p.parse_known_args(argv)
 
 
@@ -124,6 +127,9 @@ def main(argv=None) -> None:
     if extra.profile_table and d.rank == 0:
         with open(extra.profile_table, "w") as f:
             f.write(head + table)
+    if extra.trace and d.rank == 0:
+        prof.export_chrome_trace(extra.trace)
+        print(gaps.render(gaps.gaps(gaps.load(extra.trace))), flush=True)
     dist.destroy_process_group()
 
 
