@@ -334,11 +334,18 @@ if [ "$phase" = peers ] || [ "$phase" = nx3 ]; then   # one GPU, carry [".peers"
     $PY -m pip install -q --no-deps --no-index --no-compile .peers/*.whl 2>&1 | tail -3
   fi
   step "peers: cps next to ring-flash-attn, yunchang and torch context_parallel, world size 1 (exactness vs float64 + fwd+bwd)"
-  for m in 9B 27B; do                           # one JSON per head shape: a time limit keeps the first
-    timeout 240 $PY benchmarks/peers.py $bench_args --models $m --tag ${m,,} 2>&1 \
-        | tee "$OUT/peers_N1_${m,,}.log" | tail -45 || rc=1
-    cp $bench_out/peers_N1_${m,,}.json $bench_out/peers_N1_${m,,}.png "$OUT/" 2>/dev/null
-  done
+  peers_run() {                                 # model, tag, extra flags: one JSON per run, written
+    timeout 240 $PY benchmarks/peers.py $bench_args --models $1 --tag $2 "${@:3}" 2>&1 \
+        | tee "$OUT/peers_N1_$2.log" | tail -45 || rc=1   # as it goes: a time limit keeps the first cases
+    cp $bench_out/peers_N1_$2.json $bench_out/peers_N1_$2.png "$OUT/" 2>/dev/null
+  }
+  if [ "$phase" = nx3 ]; then                   # the H200 run of 2026-12-06 has 9B causal and window
+    peers_run 27B 27b                           # without cap: the 27B heads, then 9B's other cases
+    peers_run 9B 9b_rest --layouts window packed
+  else
+    peers_run 9B 9b
+    peers_run 27B 27b
+  fi
 fi
 if [ "$phase" = nx1 ]; then                     # fresh machine, carry [".fa4a", ".liger"]
   install_liger
