@@ -77,8 +77,8 @@
 #   bash scripts/gpu_check.sh nx3      # call 3, carry [".fa2", ".peers"]: installs flash-attn 2
 #                                      #   and the peers, peers.py at world size 1 (every system)
 #   bash scripts/gpu_check.sh nx4      # call 4: HF attention with flash_attention_2, 2b at 32K with
-#                                      #   --ac selective, the longest 2b sequence the plan fits,
-#                                      #   cp_sim of packed streams
+#                                      #   --ac selective, the longest 2b sequences the plan fits with
+#                                      #   --ac selective and --ac full, cp_sim of packed streams
 # On a several-GPU kind, in this order (each is call 2 of a pair, after .fa4a's call 1):
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh nccl
 #                                      # CP tests over NCCL, one rank per GPU: every comm type,
@@ -372,6 +372,18 @@ if [ "$phase" = nx4 ]; then                     # same machine: fa4, fa2 and lig
   timeout 120 $PY examples/gemma2/train.py --config 2b --seq-len 32768 --batch-size 1 --ac selective --max-steps 4 \
       --no-progress --metrics "$OUT/train_32k_selective.jsonl" 2>&1 | grep -v "^step " | tail -2 || rc=1
   tail -1 "$OUT/train_32k_selective.jsonl" 2>/dev/null
+  fit=""
+  for L in 90112 81920 65536 49152 40960; do   # --ac selective: ~88K on an H200, 40K on an H100
+    $PY examples/gemma2/train.py --plan --config 2b --seq-len $L --batch-size 1 --ac selective | tail -1 \
+        | grep -q '^fits' && { fit=$L; break; }
+  done
+  if [ -n "$fit" ]; then
+    step "the longest 2b sequence the plan fits with --ac selective: $fit tokens"
+    $PY examples/gemma2/train.py --plan --config 2b --seq-len $fit --batch-size 1 --ac selective | grep "peak ="
+    timeout 150 $PY examples/gemma2/train.py --config 2b --seq-len $fit --batch-size 1 --ac selective --max-steps 3 \
+        --no-progress --metrics "$OUT/train_longest_selective_$fit.jsonl" 2>&1 | grep -v "^step " | tail -2 || rc=1
+    tail -1 "$OUT/train_longest_selective_$fit.jsonl" 2>/dev/null
+  fi
   fit=""
   for L in 294912 262144 196608 131072 98304 65536; do   # the plan fits up to ~296K on an H200
     $PY examples/gemma2/train.py --plan --config 2b --seq-len $L --batch-size 1 --ac full | tail -1 \
