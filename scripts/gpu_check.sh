@@ -65,7 +65,7 @@
 #                                      #   FA4 alone), packed overhead, cp_sim 27B per call, speed.py
 # What is left on one GPU (after the H200 run of 2026-12-06: mfu, nx5, nx4 and nx3's 9B heads
 # are measured), in order: nx1 (carry [".fa4a", ".liger"]); .fa4b/install.sh && nx4 (carry
-# [".fa4b"]: 32K --ac selective and the longest fit, up to the ~296K the plan fits on an H200);
+# [".fa4b", ".liger"]: 32K --ac selective and the longest fits, up to ~296K on an H200);
 # nx3 (carry [".fa2", ".peers"]: the 27B heads, window with cap, packed); mfu on an H100.
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh mfu
 #                                      # call 2, carry [".fa4b"], Liger installed by nx1: speed.py
@@ -364,7 +364,8 @@ if [ "$phase" = nx5 ]; then                     # same machine, fa4 installed
       --tag 27b 2>&1 | tail -10 || rc=1
   cp $bench_out/packed_kernels_27b.json "$OUT/" 2>/dev/null
 fi
-if [ "$phase" = nx4 ]; then                     # same machine: fa4, fa2 and liger installed
+if [ "$phase" = nx4 ]; then                     # fa4 installed; carry .liger too (the plan counts its pieces)
+  install_liger
   step "HF Gemma2 with cp_softcap / eager / sdpa / flash_attention_2"
   timeout 170 $PY benchmarks/hf_attention.py --seq-len 4096 --out-dir "$OUT" 2>&1 | cut -c1-200 | tail -8 || rc=1
   step "2b at 32K with --ac selective: the plan's peak against max_memory_allocated"
@@ -373,7 +374,7 @@ if [ "$phase" = nx4 ]; then                     # same machine: fa4, fa2 and lig
       --no-progress --metrics "$OUT/train_32k_selective.jsonl" 2>&1 | grep -v "^step " | tail -2 || rc=1
   tail -1 "$OUT/train_32k_selective.jsonl" 2>/dev/null
   fit=""
-  for L in 90112 81920 65536 49152 40960; do   # --ac selective: ~88K on an H200, 40K on an H100
+  for L in 90112 81920 65536 49152 40960; do   # --ac selective: ~88K on an H200 (with Liger)
     $PY examples/gemma2/train.py --plan --config 2b --seq-len $L --batch-size 1 --ac selective | tail -1 \
         | grep -q '^fits' && { fit=$L; break; }
   done
@@ -395,7 +396,7 @@ if [ "$phase" = nx4 ]; then                     # same machine: fa4, fa2 and lig
         --no-progress --metrics "$OUT/train_longest_$fit.jsonl" 2>&1 | grep -v "^step " | tail -3 || rc=1
     tail -1 "$OUT/train_longest_$fit.jsonl" 2>/dev/null
   else
-    step "the plan fits none of 64K-128K tokens with --ac full: no longest-fit run"
+    step "the plan fits none of 64K-288K tokens with --ac full: no longest-fit run"
   fi
   for mix in longtail short; do
     step "cp_sim: packed $mix stream, 128K, cp 8, fa4"

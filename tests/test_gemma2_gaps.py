@@ -42,3 +42,9 @@ def test_busy_time_and_the_longest_gaps(tmp_path):
 def test_a_trace_without_gpu_events():
     s = gaps.gaps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "x", "ts": 0, "dur": 1}]})
     assert s["busy_fraction"] is None and gaps.render(s) == "no GPU events in the trace"
+
+
+def test_a_kernel_inside_another_is_counted_once_and_the_enclosing_one_is_the_neighbour():
+    s = gaps.gaps({"traceEvents": [_k("big", 0, 1000), _k("inner", 100, 100), _k("next", 1100, 10)]})
+    assert s["busy_us"] == 1010 and s["span_us"] == 1110
+    assert [(g["gap_us"], g["before"], g["after"]) for g in s["gaps"]] == [(100, "big", "next")]

@@ -42,7 +42,7 @@ class _Rope(torch.autograd.Function):
         return gm.apply_rope(q, cos, sin).to(q.dtype), gm.apply_rope(k, cos, sin).to(k.dtype)
 
 
-def _kept_per_token(cfg, pieces, dtype, monkeypatch, t=64):
+def _kept_per_token(cfg, pieces, dtype, monkeypatch, t=40):
     """Bytes per token each half keeps for backward (the layer's input excluded: AC keeps it)."""
     monkeypatch.setattr(fused, "rms_norm", lambda x, w, eps: _Norm.apply(x, w, eps))
     monkeypatch.setattr(fused, "geglu", lambda a, b: _Geglu.apply(a, b))
@@ -88,17 +88,82 @@ def test_fused_pieces_keep_what_the_plan_subtracts(pieces, dtype, monkeypatch):
         assert fused_kept["attn"] < ours["attn"]
 
 
-def test_ac_keeps_the_bf16_weight_copies_of_what_it_does_not_recompute():
+def _weight_casts(ac):
+    """(bf16 weight copies alive when the loss starts, alive once the forward's autocast block
+    has ended, linear weights, attention-half weights) for a tiny 2-layer model under `--ac ac`."""
+    import gc
+    import weakref
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from gemma2.parallelize import apply_ac
+
+    cfg = get_config("tiny", num_hidden_layers=2, hidden_size=48, intermediate_size=80,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    model = gm.Gemma2(cfg)
+    apply_ac(model, ac)
+    weights = {n: p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n}
+    shapes = {tuple(p.shape) for p in weights.values()}
+    refs = []
+
+    class Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if (func is torch.ops.aten._to_copy.default and out.dtype == torch.bfloat16
+                    and tuple(out.shape) in shapes):
+                refs.append(weakref.ref(out))
+            return out
+
+    at_loss = []
+    model.model.norm.register_forward_hook(
+        lambda *_: at_loss.append(sum(r() is not None for r in refs)))
+    ids = torch.randint(3, cfg.vocab_size, (1, 33))
+    with torch.autocast("cpu", dtype=torch.bfloat16), Casts():
+        loss = model(ids[:, :-1], labels=ids[:, 1:])
+    gc.collect()
+    after = sum(r() is not None for r in refs)
+    loss.backward()
+    attn = sum(1 for n in weights if ".self_attn." in n)
+    return at_loss[0], after, len(weights), attn
+
+
+@pytest.mark.parametrize("ac", ["none", "selective", "full"])
+def test_autocast_keeps_every_weight_copy_through_the_loss_and_ac_drops_what_it_recomputes(ac):
+    """What the plan's two weight-copy rows assume, measured: autocast's cache holds every
+    weight's bf16 copy until its block ends (after the loss), whatever AC does; after it, only
+    the copies the kept activations need survive (AC full: none; selective: the attention
+    half's). The backward's recompute then casts one layer's again."""
+    at_loss, after, n_weights, n_attn = _weight_casts(ac)
+    assert at_loss == n_weights
+    assert after == {"none": n_weights, "selective": n_attn, "full": 0}[ac]
+
+
+def test_the_plan_counts_the_cache_while_the_loss_runs():
     cfg = get_config("2b")
-    rows = {ac: dict(memory.estimate(memory.Job(cfg, 8192, 1, 1, 1, ac=ac, dtype="bfloat16",
-                                                device_type="cuda")))
-            for ac in ("none", "selective", "full")}
-    copies = {ac: r["bf16 weight copies kept for backward (autocast) [step]"] for ac, r in rows.items()}
     layer, _ = memory.param_counts(cfg)
+    n = cfg.num_hidden_layers
     h, i = cfg.hidden_size, cfg.intermediate_size
-    assert copies["none"] == 2 * layer * cfg.num_hidden_layers
-    assert copies["full"] == 2 * layer
-    # selective recomputes the feed-forward half: every layer's q/k/v/o copies, one layer's MLP
     attn = h * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
-    assert copies["selective"] == 2 * (attn * cfg.num_hidden_layers + 3 * h * i)
-    assert copies["full"] < copies["selective"] < copies["none"]
+    for ac, kept in (("none", layer * n), ("selective", attn * n + 3 * h * i), ("full", layer)):
+        rows = dict(memory.estimate(memory.Job(cfg, 8192, 1, 1, 1, ac=ac, dtype="bfloat16",
+                                               device_type="cuda")))
+        assert rows["bf16 weight copies kept for backward (autocast) [step]"] == 2 * kept
+        assert rows["bf16 weight copies in autocast's cache, until the loss ends [step]"] == 2 * (layer * n - kept)
+
+
+def _plan_peak(capsys, *flags):
+    import re
+    from gemma2 import train
+    with pytest.raises(SystemExit) as e:
+        train.main(["--plan", "--config", "2b", "--seq-len", "32768", "--batch-size", "1",
+                    "--ac", "selective", "--device-mem-gib", "139", *flags])
+    assert e.value.code in (0, None)
+    return float(re.search(r"peak = .* ([\d.]+) GiB", capsys.readouterr().out).group(1))
+
+
+def test_plan_counts_the_fused_pieces_a_run_would_use_on_any_machine(capsys):
+    """--plan needs only shapes: --fused liger plans Liger's pieces on a machine without a GPU
+    (no error), --compile plans inductor's, --fused torch none of them."""
+    liger = _plan_peak(capsys, "--fused", "liger")
+    compiled = _plan_peak(capsys, "--compile", "--fused", "torch")
+    torch_pieces = _plan_peak(capsys, "--fused", "torch")
+    assert liger == compiled < torch_pieces

@@ -151,7 +151,8 @@ def _problems(args, world: int, cfg):
             choose(args.fused, device_type(args), args.compile)
         except ValueError as e:
             yield str(e)
-    if args.compile and device_type(args) == "cpu" and not any(map(shutil.which, ("g++", "c++", "clang++"))):
+    if args.compile and device_type(args) == "cpu" and not args.plan and \
+            not any(map(shutil.which, ("g++", "c++", "clang++"))):
         yield "--compile on CPU needs a C++ compiler (g++, c++ or clang++) on PATH; install one or drop --compile"
     if args.device == "cuda" and device_type(args) != "cuda" and not args.plan:
         yield (f"--device cuda needs one GPU per local rank ({local_world()} on this node); "

@@ -6,7 +6,8 @@ A step can be slower than the sum of its kernels when the GPU runs out of queued
 host sync (`.item()`, a blocking copy), or host code slower than the kernels it launches.
 speed.py --trace writes the trace of its profiled steps; this reads the GPU's kernels, copies
 and memsets, merges their busy intervals, and lists the longest idle gaps with the kernel
-before and after each and the host ops running when the gap began (the innermost last).
+before and after each and the host ops running when the gap began (the innermost last; ops of the autograd thread
+and the main thread are listed together).
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def gaps(trace: Dict, top: int = 15, min_us: float = 20.0) -> Dict:
     host = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in HOST_CATS),
                   key=lambda e: e["ts"])
     if not gpu:
-        return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "busy_fraction": None, "gaps": []}
+        return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "busy_fraction": None, "gaps": [],
+                "idle_in_gaps_us": 0.0}
     found: List[Dict] = []
     busy, end, prev = 0.0, gpu[0]["ts"], gpu[0]
     start = gpu[0]["ts"]
@@ -65,7 +67,8 @@ def render(summary: Dict) -> str:
     if summary["busy_fraction"] is None:
         return "no GPU events in the trace"
     lines = [f"GPU busy {summary['busy_us'] / 1e3:.1f} ms of {summary['span_us'] / 1e3:.1f} ms "
-             f"({100 * summary['busy_fraction']:.1f} %), idle {summary['idle_us'] / 1e3:.1f} ms",
+             f"({100 * summary['busy_fraction']:.1f} %), idle {summary['idle_us'] / 1e3:.1f} ms, "
+             f"{summary['idle_in_gaps_us'] / 1e3:.1f} ms of it in gaps long enough to list",
              "gap ms  at ms    before -> after | host ops when it began (innermost last)"]
     for g in summary["gaps"]:
         lines.append(f"{g['gap_us'] / 1e3:6.2f}  {g['at_us'] / 1e3:7.1f}  {g['before'][:40]} -> "

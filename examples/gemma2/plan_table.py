@@ -1,6 +1,7 @@
 """README's memory-plan table: train.py --plan's peak per rank for Gemma2 2b/9b/27b at 8K to 1M
-tokens on 8 and 64 GPUs (cp = all ranks, batch 1, bf16 autocast, ring), with and without AC and
-FSDP2. Each cell is one `train.py --plan` run (in this process).
+tokens on 8 and 64 GPUs (cp = all ranks, batch 1, bf16 autocast, ring, the PyTorch pieces:
+--fused torch, the same on every machine), with and without AC and FSDP2. Each cell is one
+`train.py --plan` run (in this process).
 
     python examples/gemma2/plan_table.py [--device-mem-gib 139] [--ac selective]
 """
@@ -43,7 +44,7 @@ def main(argv=None) -> None:
             for world in (8, 64):
                 for _, extra in VARIANTS:
                     gib = plan_peak(["--config", model, "--seq-len", str(seq), "--world-size", str(world),
-                                     "--batch-size", "1", "--dtype", "bfloat16",
+                                     "--batch-size", "1", "--dtype", "bfloat16", "--fused", "torch",
                                      "--device-mem-gib", str(args.device_mem_gib),
                                      *[e.format(ac=args.ac) for e in extra]])
                     cells.append(f"{gib:.0f}" + ("" if gib <= args.device_mem_gib else " ✗"))
