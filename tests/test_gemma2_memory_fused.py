@@ -139,7 +139,7 @@ def test_autocast_keeps_every_weight_copy_through_the_loss_and_ac_drops_what_it_
 
 def test_the_plan_counts_the_cache_while_the_loss_runs():
     cfg = get_config("2b")
-    layer, _ = memory.param_counts(cfg)
+    layer = memory.param_counts(cfg).layer
     n = cfg.num_hidden_layers
     h, i = cfg.hidden_size, cfg.intermediate_size
     attn = h * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim

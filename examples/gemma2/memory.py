@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 GIB = 1 << 30
 RING_BLOCK_KEYS = 32768      # cp_softcap's default for CP_SOFTCAP_RING_BLOCK_KEYS
@@ -42,15 +42,25 @@ class Job:
         return self.batch * self.seq_len // self.cp
 
 
-def param_counts(cfg) -> Tuple[int, int]:
-    """(parameters of one decoder layer, parameters outside the layers), from the meta model."""
+class ParamCounts(NamedTuple):
+    layer: int          # one decoder layer
+    root: int           # outside the layers
+    attention: int      # one layer's attention half (q/k/v/o)
+    mlp: int            # one layer's feed-forward half (gate/up/down)
+
+
+def param_counts(cfg) -> ParamCounts:
+    """Parameter counts from the meta model."""
     import torch
     from .model import Gemma2
 
     with torch.device("meta"):
         model = Gemma2(cfg)
-    layer = sum(p.numel() for p in model.model.layers[0].parameters())
-    return layer, model.num_params() - layer * cfg.num_hidden_layers
+    first = model.model.layers[0]
+    layer = sum(p.numel() for p in first.parameters())
+    return ParamCounts(layer, model.num_params() - layer * cfg.num_hidden_layers,
+                       sum(p.numel() for p in first.self_attn.parameters()),
+                       sum(p.numel() for p in first.mlp.parameters()))
 
 
 def _halves(cfg, act: int, fused: Tuple[str, ...] = ()) -> Tuple[int, int]:
@@ -129,7 +139,8 @@ def _loss_buffers(job: Job, act: int) -> int:
 def estimate(job: Job) -> List[Tuple[str, int]]:
     """[(row, bytes)] for one rank; the last row is the peak."""
     c = job.cfg
-    layer, root = param_counts(c)
+    counts = param_counts(c)
+    layer, root = counts.layer, counts.root
     n_layers = c.num_hidden_layers
     total = layer * n_layers + root
     act = 2 if job.dtype == "bfloat16" else 4
@@ -151,9 +162,8 @@ def estimate(job: Job) -> List[Tuple[str, int]]:
     if act == 2 and not job.fsdp:
         # autocast's bf16 copy of each weight lives as long as the matmul's saved input: AC drops
         # the copies of what it recomputes, and the recompute holds one layer's again
-        h, i = c.hidden_size, c.intermediate_size
-        attn_w = h * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
-        kept = {"none": layer * n_layers, "selective": attn_w * n_layers + 3 * h * i, "full": layer}[job.ac]
+        kept = {"none": layer * n_layers, "selective": counts.attention * n_layers + counts.mlp,
+                "full": layer}[job.ac]
         during.append(("bf16 weight copies kept for backward (autocast)", 2 * kept))
         # autocast also caches every weight's copy until its block ends, after the loss: with AC
         # the copies AC would drop are still there while the loss runs
