@@ -368,36 +368,32 @@ if [ "$phase" = nx4 ]; then                     # fa4 installed; carry .liger to
   install_liger
   step "HF Gemma2 with cp_softcap / eager / sdpa / flash_attention_2"
   timeout 170 $PY benchmarks/hf_attention.py --seq-len 4096 --out-dir "$OUT" 2>&1 | cut -c1-200 | tail -8 || rc=1
+  plan_and_train() {                           # seq, ac, steps, time limit, metrics name: 2b
+    $PY examples/gemma2/train.py --plan --config 2b --seq-len $1 --batch-size 1 --ac $2 | grep "peak ="
+    timeout $4 $PY examples/gemma2/train.py --config 2b --seq-len $1 --batch-size 1 --ac $2 --max-steps $3 \
+        --no-progress --metrics "$OUT/$5.jsonl" 2>&1 | grep -v "^step " | tail -2 || rc=1
+    tail -1 "$OUT/$5.jsonl" 2>/dev/null
+  }
+  longest_fit() {                               # ac, lengths longest first: the first the plan fits
+    local ac=$1 L; shift
+    for L in "$@"; do
+      $PY examples/gemma2/train.py --plan --config 2b --seq-len $L --batch-size 1 --ac $ac | tail -1 \
+          | grep -q '^fits' && { echo $L; return; }
+    done
+  }
   step "2b at 32K with --ac selective: the plan's peak against max_memory_allocated"
-  $PY examples/gemma2/train.py --plan --config 2b --seq-len 32768 --batch-size 1 --ac selective | grep "peak ="
-  timeout 120 $PY examples/gemma2/train.py --config 2b --seq-len 32768 --batch-size 1 --ac selective --max-steps 4 \
-      --no-progress --metrics "$OUT/train_32k_selective.jsonl" 2>&1 | grep -v "^step " | tail -2 || rc=1
-  tail -1 "$OUT/train_32k_selective.jsonl" 2>/dev/null
-  fit=""
-  for L in 90112 81920 65536 49152 40960; do   # --ac selective: ~88K on an H200 (with Liger)
-    $PY examples/gemma2/train.py --plan --config 2b --seq-len $L --batch-size 1 --ac selective | tail -1 \
-        | grep -q '^fits' && { fit=$L; break; }
+  plan_and_train 32768 selective 4 120 train_32k_selective
+  for spec in "selective 150 3 90112 81920 65536 49152 40960" \
+              "full 300 2 294912 262144 196608 131072 98304 65536"; do   # ~88K / ~296K on an H200 (Liger)
+    set -- $spec
+    fit=$(longest_fit $1 "${@:4}")
+    if [ -n "$fit" ]; then
+      step "the longest 2b sequence the plan fits with --ac $1: $fit tokens"
+      plan_and_train $fit $1 $3 $2 train_longest_${1}_$fit
+    else
+      step "the plan fits none of ${*:4} tokens with --ac $1: no longest-fit run"
+    fi
   done
-  if [ -n "$fit" ]; then
-    step "the longest 2b sequence the plan fits with --ac selective: $fit tokens"
-    $PY examples/gemma2/train.py --plan --config 2b --seq-len $fit --batch-size 1 --ac selective | grep "peak ="
-    timeout 150 $PY examples/gemma2/train.py --config 2b --seq-len $fit --batch-size 1 --ac selective --max-steps 3 \
-        --no-progress --metrics "$OUT/train_longest_selective_$fit.jsonl" 2>&1 | grep -v "^step " | tail -2 || rc=1
-    tail -1 "$OUT/train_longest_selective_$fit.jsonl" 2>/dev/null
-  fi
-  fit=""
-  for L in 294912 262144 196608 131072 98304 65536; do   # the plan fits up to ~296K on an H200
-    $PY examples/gemma2/train.py --plan --config 2b --seq-len $L --batch-size 1 --ac full | tail -1 \
-        | grep -q '^fits' && { fit=$L; break; }
-  done
-  if [ -n "$fit" ]; then
-    step "the longest 2b sequence the plan fits: $fit tokens, --ac full"
-    timeout 300 $PY examples/gemma2/train.py --config 2b --seq-len $fit --batch-size 1 --ac full --max-steps 2 \
-        --no-progress --metrics "$OUT/train_longest_$fit.jsonl" 2>&1 | grep -v "^step " | tail -3 || rc=1
-    tail -1 "$OUT/train_longest_$fit.jsonl" 2>/dev/null
-  else
-    step "the plan fits none of 64K-288K tokens with --ac full: no longest-fit run"
-  fi
   for mix in longtail short; do
     step "cp_sim: packed $mix stream, 128K, cp 8, fa4"
     timeout 60 $PY benchmarks/cp_sim.py --rep-ms 40 --packed $mix --seqs 131072 --cps 8 --kernel fa4 \
