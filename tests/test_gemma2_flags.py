@@ -239,3 +239,33 @@ def test_plan_needs_no_corpus_that_long(capsys):
     with pytest.raises(SystemExit) as e:      # a real run still checks the corpus
         flags.parse(["--seq-len", "1048576"])
     assert e.value.code == 2 and "fewer than --seq-len 1048576" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("user", [None, ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512"),
+                                  ("PYTORCH_ALLOC_CONF", "expandable_segments:False")])
+def test_allocator_defaults_to_expandable_segments_unless_configured(monkeypatch, user):
+    """The memory plan counts allocated bytes, so runs get expandable segments by default; an
+    allocator the user configured (either variable) is left exactly as set."""
+    from gemma2 import parallel
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    if user:
+        monkeypatch.setenv(*user)
+    parallel.allocator_defaults()
+    if user is None:
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    else:
+        assert os.environ[user[0]] == user[1]
+        other = ({"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} - {user[0]}).pop()
+        assert other not in os.environ
+
+
+def test_every_run_entry_sets_the_allocator_before_anything_else():
+    """The allocator reads its settings once, when CUDA starts: each run's main calls
+    allocator_defaults as its first statement."""
+    import ast
+    for name in ("train.py", "speed.py", "memcheck.py"):
+        tree = ast.parse(open(os.path.join(ROOT, "examples", "gemma2", name)).read())
+        main = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "main")
+        first = main.body[0]
+        assert ast.unparse(first) == "parallel.allocator_defaults()", (name, ast.unparse(first))

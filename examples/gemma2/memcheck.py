@@ -127,6 +127,7 @@ def loss_peak(tokens: int = 1024, hidden: int = 256, vocab: int = 256000) -> dic
 
 
 def main(argv=None) -> None:
+    parallel.allocator_defaults()
     argv = sys.argv[1:] if argv is None else argv
     extra, _ = _extra(argv)
     if extra.ac_timing:

@@ -60,6 +60,7 @@ def variants(device_type: str, compile: bool = False):
 
 
 def main(argv=None) -> None:
+    parallel.allocator_defaults()
     extra, rest = _extra(sys.argv[1:] if argv is None else argv)
     args, cfg, world = flags.parse(rest + ["--fused", "torch"], __doc__)
     d = parallel.init(args.cp, args.device)

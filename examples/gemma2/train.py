@@ -128,6 +128,7 @@ def train_step(model, opt, tokens, step: int, args, cfg, d, autocast):
 
 
 def main(argv=None) -> None:
+    parallel.allocator_defaults()
     args, cfg, world = flags.parse(argv, __doc__)
     job = plan_job(args, cfg, world)
     check_memory(args, job)
