@@ -94,3 +94,37 @@ def test_peak_memory_is_a_slice_not_the_vocabulary():
     chunk_peak = peak_bytes(lambda: softcap_cross_entropy_sum(h, w, lab, 30.0, 64).backward(), cpu)
     logits = 1024 * 8000 * 4
     assert full_peak > 3 * logits and chunk_peak < logits / 2, (full_peak, chunk_peak)
+
+
+def test_under_autocast_the_matmuls_run_in_its_dtype_forward_and_backward():
+    """Under autocast (bf16 on CPU here) the loss takes hidden and the embedding in bf16, cast
+    once, so its backward, which autograd runs outside autocast, multiplies in bf16 too; the
+    result stays within bf16 rounding of the float64 reference with a saturating cap, the
+    gradients come back in the parameters' float32, and dropping the cap is caught."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    seen = []
+
+    class Matmuls(TorchDispatchMode):      # sees the backward's ops too, unlike a function mode
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+                mats = args[1:3] if func.overloadpacket is torch.ops.aten.addmm else args[:2]
+                seen.append(tuple(a.dtype for a in mats))
+            return func(*args, **(kwargs or {}))
+
+    h, w, lab = inputs()
+    ref_loss, ref_dh, ref_dw, _ = reference(h, w, lab, 30.0)
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    with Matmuls():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = softcap_cross_entropy_sum(h, w, lab, 30.0, 64)
+        loss.backward()
+    # forward logits, backward logits and dh in bf16; CPU's dW matmul takes float32 operands
+    # (no 16-bit matmul with a float32 output there)
+    assert seen.count((torch.bfloat16, torch.bfloat16)) == 3 * 5 and len(seen) == 4 * 5, seen
+    assert loss.dtype == h.grad.dtype == w.grad.dtype == torch.float32
+    assert all(torch.isfinite(t).all() for t in (loss, h.grad, w.grad))
+    assert abs(loss.double() - ref_loss) / ref_loss < 1e-2
+    assert rel(h.grad, ref_dh) < 3e-2 and rel(w.grad, ref_dw) < 3e-2
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        uncapped = softcap_cross_entropy_sum(h.detach(), w.detach(), lab, None, 64)
+    assert abs(uncapped.double() - ref_loss) / ref_loss > 1e-1

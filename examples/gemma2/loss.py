@@ -5,7 +5,8 @@ The full path, `cross_entropy(cap * tanh(h @ W.T / cap), labels)`, holds float32
 `softcap_cross_entropy_sum` computes the same sum with at most `chunk` tokens' logits alive at
 once, in forward and in backward: the forward keeps only the hidden states, the backward
 recomputes each slice's logits and turns them into that slice's dh and its share of dW at once.
-Sums and the dW accumulator are float32 whatever the input dtype.
+Sums and the dW accumulator are float32 whatever the input dtype; under autocast the matmuls run
+in the autocast dtype, forward and backward.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ def default_chunk(vocab: int) -> int:
 
 def _logits(h: torch.Tensor, w: torch.Tensor, cap: Optional[float]):
     """Float32 logits of one slice and tanh(z / cap) (None without a cap), z = h @ W.T computed in
-    h's dtype (bf16 under autocast, as the full path's F.linear would)."""
-    z = torch.nn.functional.linear(h, w.to(h.dtype)).float()
+    h's dtype (bf16 under autocast, as the full path's F.linear would); w is already in h's dtype."""
+    z = torch.nn.functional.linear(h, w).float()
     if cap is None:
         return z, None
     t = z.div_(cap).tanh_()          # in place: one slice-sized buffer fewer
@@ -36,12 +37,22 @@ def _slices(n: int, chunk: int):
     return ((s, min(s + chunk, n)) for s in range(0, n, chunk))
 
 
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in float32. 16-bit operands on CUDA stay 16-bit and accumulate into a float32 output
+    (a float32 matmul there runs at a fraction of the tensor cores' rate); elsewhere float32
+    operands (CPU has no 16-bit matmul with a float32 output)."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
 class _SoftcapCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, labels, cap, chunk):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
+        wh = w.to(h.dtype)                                    # one cast, not one per slice
         for s, e in _slices(h.shape[0], chunk):
-            z = _logits(h[s:e], w, cap)[0]
+            z = _logits(h[s:e], wh, cap)[0]
             lab = labels[s:e]
             valid = lab != IGNORE
             picked = z.gather(1, lab.clamp_min(0)[:, None])[:, 0]
@@ -56,22 +67,25 @@ class _SoftcapCE(torch.autograd.Function):
         cap, chunk = ctx.cap, ctx.chunk
         dh = torch.empty_like(h)
         dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-        wf = w.to(h.dtype)
+        wh = w.to(h.dtype)
         g = grad_total.float()
         for s, e in _slices(h.shape[0], chunk):
-            z, t = _logits(h[s:e], w, cap)
+            z, t = _logits(h[s:e], wh, cap)
             lab = labels[s:e]
             valid = lab != IGNORE
             dz = torch.softmax(z, dim=1)                      # d(lse - z[label]) / dz
             del z
-            rows = valid.nonzero()[:, 0]
-            dz[rows, lab[rows]] -= 1.0
+            # -1 at each label; ignored rows (label clamped to 0) are zeroed by the next line,
+            # so no host sync picks the valid rows out
+            dz.scatter_add_(1, lab.clamp_min(0)[:, None], dz.new_full((e - s, 1), -1.0))
             dz *= (valid.float() * g)[:, None]
             if t is not None:                                 # through cap * tanh(x / cap)
                 dz *= t.mul_(t).neg_().add_(1.0)
                 del t
-            dh[s:e] = (dz.to(h.dtype) @ wf).to(h.dtype)
-            dw += dz.t() @ h[s:e].float()
+            dzh = dz.to(h.dtype)
+            del dz
+            dh[s:e] = dzh @ wh
+            dw += _mm_f32(dzh.t(), h[s:e])
         return dh, dw.to(w.dtype), None, None, None
 
 
@@ -87,5 +101,19 @@ def softcap_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels
     chunk = default_chunk(weight.shape[0]) if chunk is None else chunk
     if chunk < 1:
         raise ValueError(f"loss chunk must be >= 1 token, got {chunk}")
+    hidden, weight = autocast_operands(hidden, weight)
     return _SoftcapCE.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
                             cap, chunk)
+
+
+def autocast_operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple:
+    """Under autocast, hidden and the tied embedding in the autocast dtype, each cast once: the
+    loss's matmuls then run in that dtype in the backward too (autograd runs a Function's
+    backward outside autocast, where float32 operands would make float32 matmuls), and the LM
+    head's share of the embedding gradient is rounded once to it, as any linear layer's weight
+    gradient under autocast. Unchanged without autocast."""
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        return hidden.to(dt), weight.to(dt)
+    return hidden, weight
