@@ -74,6 +74,8 @@
 #   bash scripts/gpu_check.sh nx1      # (instead of pk1 when only Liger is wanted) carry
 #                                      #   [".fa4a", ".liger"]: Liger's GPU tests
 #   bash scripts/gpu_check.sh nx5      # same machine: packed 27B (library vs FA4 alone)
+#   bash scripts/gpu_check.sh loss     # fresh machine, carry [".fa2", ".liger"]: our loss against
+#                                      #   Liger's on the GPU, speed.py at 8K (the loss's cost)
 #   bash scripts/gpu_check.sh nx3      # call 3, carry [".fa2", ".peers"]: installs flash-attn 2
 #                                      #   and the peers, peers.py at world size 1 (every system)
 #   bash scripts/gpu_check.sh nx4      # call 4: HF attention with flash_attention_2, 2b at 32K with
@@ -400,6 +402,16 @@ if [ "$phase" = nx4 ]; then                     # fa4 installed; carry .liger to
         --tag fa4 2>&1 | grep -v USDT | tail -6 || rc=1
     cp $bench_out/cp_sim_packed_${mix}_fa4.json "$OUT/" 2>/dev/null
   done
+fi
+if [ "$phase" = loss ]; then                    # fresh machine, carry [".fa2", ".liger"] (no fa4 needed)
+  install_fa2
+  install_liger
+  step "our loss against Liger's in bf16 on the GPU, and a training step"
+  timeout 150 $PY -m pytest tests/test_gemma2_liger.py -q -rf -p no:cacheprovider -k "loss or training_step" \
+      2>&1 | tail -8 || rc=1
+  step "speed.py, 2b at 8K (flash-attn 2): all Liger pieces, each left out, none; the loss's cost"
+  timeout 300 $PY examples/gemma2/speed.py --config 2b --seq-len 8192 --batch-size 1 --no-progress \
+      --warm 2 --steps 3 --json "$OUT/speed_loss.jsonl" 2>&1 | grep -v "^ \|exe_args" | tail -12 || rc=1
 fi
 if [ "$phase" = lg1 ]; then                     # fresh machine, carry [".fa4a", ".liger"]
   install_liger
