@@ -385,7 +385,7 @@ if [ "$phase" = nx4 ]; then                     # fa4 installed; carry .liger to
   }
   step "2b at 32K with --ac selective: the plan's peak against max_memory_allocated"
   plan_and_train 32768 selective 4 120 train_32k_selective
-  for spec in "selective 150 3 90112 81920 65536 49152 40960" \
+  for spec in "selective 150 3 90112 81920 65536 49152 40960 36864" \
               "full 300 2 294912 262144 196608 131072 98304 65536"; do   # ~88K / ~296K on an H200 (Liger)
     set -- $spec
     fit=$(longest_fit $1 "${@:4}")

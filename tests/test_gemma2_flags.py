@@ -269,3 +269,15 @@ def test_every_run_entry_sets_the_allocator_before_anything_else():
         main = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "main")
         first = main.body[0]
         assert ast.unparse(first) == "parallel.allocator_defaults()", (name, ast.unparse(first))
+
+
+def test_plan_leaves_cuda_its_own_memory(monkeypatch):
+    """On a GPU the plan may use the card's total less what CUDA holds outside PyTorch's
+    allocator (an H100 run with 1.28 GiB of it ran out of memory at a plan that filled the
+    card); --device-mem-gib is taken as given."""
+    class Props:
+        total_memory = 80 * memory.GIB
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
+    assert memory.device_memory("cuda", 1) == 80 * memory.GIB - memory.CUDA_OUTSIDE_ALLOCATOR
+    assert memory.CUDA_OUTSIDE_ALLOCATOR >= 1.28 * memory.GIB
+    assert memory.device_memory("cuda", 1, 139.0) == 139 * memory.GIB

@@ -96,8 +96,9 @@ def parser(doc: str) -> Parser:
     a("--plan", action="store_true", help="print the per-rank memory plan for --world-size ranks "
       "and exit (no process group, nothing on a device)")
     a("--world-size", type=int, help="ranks the --plan is for (None: torchrun's WORLD_SIZE, else 1)")
-    a("--device-mem-gib", type=float, help="memory per rank for the plan and the check "
-      "(None: the GPU's total, or the host's memory divided by the ranks on it)")
+    a("--device-mem-gib", type=float, help="memory per rank for tensors, for the plan and the "
+      "check (None: the GPU's total less 1.5 GiB that CUDA holds outside PyTorch's allocator, "
+      "or the host's memory divided by the ranks on it)")
     a("--skip-memory-check", action="store_true", help="start even when the plan says it will not fit")
     return p
 
