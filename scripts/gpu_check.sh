@@ -63,10 +63,11 @@
 #                                      # call 2, carry [".fa4b"]: fa4 tests of fully visible calls
 #                                      #   (dense and varlen), 2b train at 8K, packed 9B (library vs
 #                                      #   FA4 alone), packed overhead, cp_sim 27B per call, speed.py
-# What is left on one GPU (after the H200 run of 2026-12-06: mfu, nx5, nx4 and nx3's 9B heads
-# are measured), in order: nx1 (carry [".fa4a", ".liger"]); .fa4b/install.sh && nx4 (carry
-# [".fa4b", ".liger"]: 32K --ac selective and the longest fits, up to ~296K on an H200);
-# nx3 (carry [".fa2", ".peers"]: the 27B heads, window with cap, packed); mfu on an H100.
+# What is left on one GPU (after the H100 run of 2026-12-06: nx1, mfu, nx3, 32K --ac selective,
+# 131,072 tokens --ac full), in order: loss (fresh machine, carry [".fa2", ".liger"]: our loss's
+# bf16 backward against Liger's, its speed); then nx1 and .fa4b/install.sh && nx4 (carry
+# [".fa4b", ".liger"]): the longest --ac selective fit (36,864 on an H100, ~88K on an H200)
+# and, on an H200, the longest --ac full fit (~296K).
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh mfu
 #                                      # call 2, carry [".fa4b"], Liger installed by nx1: speed.py
 #                                      #   --compile at 8K (auto's pick, all Liger, none), the top
