@@ -398,9 +398,9 @@ fi
 if [ "$phase" = loss ]; then                    # fresh machine, carry [".fa2", ".liger"] (no fa4 needed)
   install_fa2
   install_liger
-  step "our loss against Liger's in bf16 on the GPU, and a training step"
-  timeout 150 $PY -m pytest tests/test_gemma2_liger.py -q -rf -p no:cacheprovider -k "loss or training_step" \
-      2>&1 | tail -8 || rc=1
+  step "our loss under autocast on the GPU (bf16 matmuls forward and backward), against Liger's, a training step"
+  timeout 150 $PY -m pytest tests/test_gemma2_loss.py tests/test_gemma2_liger.py -q -rf -p no:cacheprovider \
+      -k "cuda or loss_with_softcap or training_step" 2>&1 | tail -8 || rc=1
   step "speed.py, 2b at 8K (flash-attn 2): all Liger pieces, each left out, none; the loss's cost"
   timeout 300 $PY examples/gemma2/speed.py --config 2b --seq-len 8192 --batch-size 1 --no-progress \
       --warm 2 --steps 3 --json "$OUT/speed_loss.jsonl" 2>&1 | grep -v "^ \|exe_args" | tail -12 || rc=1

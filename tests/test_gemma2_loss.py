@@ -96,11 +96,14 @@ def test_peak_memory_is_a_slice_not_the_vocabulary():
     assert full_peak > 3 * logits and chunk_peak < logits / 2, (full_peak, chunk_peak)
 
 
-def test_under_autocast_the_matmuls_run_in_its_dtype_forward_and_backward():
-    """Under autocast (bf16 on CPU here) the loss takes hidden and the embedding in bf16, cast
-    once, so its backward, which autograd runs outside autocast, multiplies in bf16 too; the
-    result stays within bf16 rounding of the float64 reference with a saturating cap, the
-    gradients come back in the parameters' float32, and dropping the cap is caught."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_under_autocast_the_matmuls_run_in_its_dtype_forward_and_backward(device):
+    """Under bf16 autocast the loss takes hidden and the embedding in bf16, cast once, so its
+    backward, which autograd runs outside autocast, multiplies in bf16 too (on CUDA the dW
+    matmul too, into a float32 output); the result stays within bf16 rounding of the float64
+    reference with a saturating cap, the gradients come back in the parameters' float32, and
+    dropping the cap is caught."""
     from torch.utils._python_dispatch import TorchDispatchMode
     seen = []
 
@@ -113,18 +116,20 @@ def test_under_autocast_the_matmuls_run_in_its_dtype_forward_and_backward():
 
     h, w, lab = inputs()
     ref_loss, ref_dh, ref_dw, _ = reference(h, w, lab, 30.0)
-    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    h, w = h.to(device).requires_grad_(), w.to(device).requires_grad_()
+    lab = lab.to(device)
     with Matmuls():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             loss = softcap_cross_entropy_sum(h, w, lab, 30.0, 64)
         loss.backward()
-    # forward logits, backward logits and dh in bf16; CPU's dW matmul takes float32 operands
-    # (no 16-bit matmul with a float32 output there)
-    assert seen.count((torch.bfloat16, torch.bfloat16)) == 3 * 5 and len(seen) == 4 * 5, seen
+    # forward logits, backward logits and dh in bf16 (5 slices each); CPU's dW matmul takes
+    # float32 operands (no 16-bit matmul with a float32 output there)
+    bf16 = 4 * 5 if device == "cuda" else 3 * 5
+    assert seen.count((torch.bfloat16, torch.bfloat16)) == bf16 and len(seen) == 4 * 5, seen
     assert loss.dtype == h.grad.dtype == w.grad.dtype == torch.float32
     assert all(torch.isfinite(t).all() for t in (loss, h.grad, w.grad))
-    assert abs(loss.double() - ref_loss) / ref_loss < 1e-2
-    assert rel(h.grad, ref_dh) < 3e-2 and rel(w.grad, ref_dw) < 3e-2
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    assert abs(loss.double().cpu() - ref_loss) / ref_loss < 1e-2
+    assert rel(h.grad.cpu(), ref_dh) < 3e-2 and rel(w.grad.cpu(), ref_dw) < 3e-2
+    with torch.autocast(device, dtype=torch.bfloat16):
         uncapped = softcap_cross_entropy_sum(h.detach(), w.detach(), lab, None, 64)
-    assert abs(uncapped.double() - ref_loss) / ref_loss > 1e-1
+    assert abs(uncapped.double().cpu() - ref_loss) / ref_loss > 1e-1
