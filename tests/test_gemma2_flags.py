@@ -246,29 +246,42 @@ def test_plan_needs_no_corpus_that_long(capsys):
 def test_allocator_defaults_to_expandable_segments_unless_configured(monkeypatch, user):
     """The memory plan counts allocated bytes, so runs get expandable segments by default; an
     allocator the user configured (either variable) is left exactly as set."""
-    from gemma2 import parallel
-    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        monkeypatch.delenv(name, raising=False)
+    from gemma2 import allocator
+    for name in allocator.USER_SETTINGS:       # set, then removed: restored as they were after
+        monkeypatch.setenv(name, "x")
+        monkeypatch.delenv(name)
     if user:
         monkeypatch.setenv(*user)
-    parallel.allocator_defaults()
+    allocator.expandable_segments()
     if user is None:
         assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     else:
         assert os.environ[user[0]] == user[1]
-        other = ({"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} - {user[0]}).pop()
+        other = (set(allocator.USER_SETTINGS) - {user[0]}).pop()
         assert other not in os.environ
 
 
-def test_every_run_entry_sets_the_allocator_before_anything_else():
-    """The allocator reads its settings once, when CUDA starts: each run's main calls
-    allocator_defaults as its first statement."""
+def test_every_run_entry_sets_the_allocator_before_torch_is_imported():
+    """CUDA builds of torch may read the allocator's settings when torch loads: each entry
+    script calls expandable_segments() before its first torch import, and nothing it imports
+    before that imports torch."""
     import ast
+    from gemma2 import allocator
+    imports = [ast.unparse(n) for n in ast.walk(ast.parse(open(allocator.__file__).read()))
+               if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert imports == ["import os"], imports
     for name in ("train.py", "speed.py", "memcheck.py"):
         tree = ast.parse(open(os.path.join(ROOT, "examples", "gemma2", name)).read())
-        main = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "main")
-        first = main.body[0]
-        assert ast.unparse(first) == "parallel.allocator_defaults()", (name, ast.unparse(first))
+        call = next(n.lineno for n in tree.body if isinstance(n, ast.Expr)
+                    and ast.unparse(n) == "expandable_segments()")
+        first_torch = min(n.lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+                          and any(a.name.split(".")[0] in ("torch", "cp_softcap") for a in n.names)
+                          or isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0]
+                          in ("torch", "cp_softcap"))
+        assert call < first_torch, (name, call, first_torch)
+        before = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.lineno < call
+                  and n.module and n.module.startswith("gemma2")]
+        assert [n.module for n in before] == ["gemma2.allocator"], (name, [n.module for n in before])
 
 
 def test_plan_leaves_cuda_its_own_memory(monkeypatch):

@@ -124,11 +124,13 @@ def softcap_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels
     the autocast dtype, as any linear layer's weight gradient under autocast."""
     from liger_kernel.ops import LigerFusedLinearCrossEntropyFunction
 
-    from .loss import autocast_operands
+    from .loss import autocast_dtype
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} must share "
                          "their leading (token) dimensions")
-    hidden, weight = autocast_operands(hidden, weight)
+    dt = autocast_dtype(hidden)
+    if dt is not None:
+        hidden, weight = hidden.to(dt), weight.to(dt)
     h = hidden.reshape(-1, hidden.shape[-1])
     c = liger_chunk_mem_const(h.shape[0], weight.shape[0], weight.shape[1], weight.element_size(), chunk)
     # accum_dtype float32: the slices' gradient sum is float32 (Liger rounds it to weight's dtype)

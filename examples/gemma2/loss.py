@@ -5,8 +5,9 @@ The full path, `cross_entropy(cap * tanh(h @ W.T / cap), labels)`, holds float32
 `softcap_cross_entropy_sum` computes the same sum with at most `chunk` tokens' logits alive at
 once, in forward and in backward: the forward keeps only the hidden states, the backward
 recomputes each slice's logits and turns them into that slice's dh and its share of dW at once.
-Sums and the dW accumulator are float32 whatever the input dtype; under autocast the matmuls run
-in the autocast dtype, forward and backward.
+Sums and the dW accumulator are float32 whatever the input dtype, and dW comes back in the
+weight's dtype, unrounded for float32 weights; under autocast the matmuls run in the autocast
+dtype, forward and backward.
 """
 from __future__ import annotations
 
@@ -37,20 +38,30 @@ def _slices(n: int, chunk: int):
     return ((s, min(s + chunk, n)) for s in range(0, n, chunk))
 
 
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")     # torch >= 2.8: mm(..., out_dtype=)
+
+
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b in float32. 16-bit operands on CUDA stay 16-bit and accumulate into a float32 output
     (a float32 matmul there runs at a fraction of the tensor cores' rate); elsewhere float32
     operands (CPU has no 16-bit matmul with a float32 output)."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _MM_OUT_DTYPE:
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
+
+
+def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: int) -> None:
+    """acc += a @ b into the float32 `acc`, `rows` rows at a time: no temporary of acc's size
+    (addmm cannot add a 16-bit product into a float32 tensor in place)."""
+    for r in range(0, a.shape[0], rows):
+        acc[r:r + rows] += _mm_f32(a[r:r + rows], b)
 
 
 class _SoftcapCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, labels, cap, chunk):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        wh = w.to(h.dtype)                                    # one cast, not one per slice
+        wh = w.to(h.dtype)                  # h's dtype (the autocast dtype): once, not per slice
         for s, e in _slices(h.shape[0], chunk):
             z = _logits(h[s:e], wh, cap)[0]
             lab = labels[s:e]
@@ -85,7 +96,8 @@ class _SoftcapCE(torch.autograd.Function):
             dzh = dz.to(h.dtype)
             del dz
             dh[s:e] = dzh @ wh
-            dw += _mm_f32(dzh.t(), h[s:e])
+            # dW's float32 products at most one slice's logits in size (what the slice held)
+            _add_mm(dw, dzh.t(), h[s:e], rows=max(1, chunk * w.shape[0] // w.shape[1]))
         return dh, dw.to(w.dtype), None, None, None
 
 
@@ -101,19 +113,17 @@ def softcap_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels
     chunk = default_chunk(weight.shape[0]) if chunk is None else chunk
     if chunk < 1:
         raise ValueError(f"loss chunk must be >= 1 token, got {chunk}")
-    hidden, weight = autocast_operands(hidden, weight)
+    dt = autocast_dtype(hidden)
+    if dt is not None:
+        # the slices' matmuls run in the autocast dtype in the backward too, which autograd runs
+        # outside autocast; the Function casts the embedding itself, once per pass, and returns
+        # its gradient in float32 (no bf16 copy of it kept between forward and backward)
+        hidden = hidden.to(dt)
     return _SoftcapCE.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
                             cap, chunk)
 
 
-def autocast_operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple:
-    """Under autocast, hidden and the tied embedding in the autocast dtype, each cast once: the
-    loss's matmuls then run in that dtype in the backward too (autograd runs a Function's
-    backward outside autocast, where float32 operands would make float32 matmuls), and the LM
-    head's share of the embedding gradient is rounded once to it, as any linear layer's weight
-    gradient under autocast. Unchanged without autocast."""
-    dev = hidden.device.type
-    if torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-        return hidden.to(dt), weight.to(dt)
-    return hidden, weight
+def autocast_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
+    """The autocast dtype on t's device; None where autocast is off."""
+    dev = t.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None

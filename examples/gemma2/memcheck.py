@@ -18,11 +18,15 @@ import os
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gemma2.allocator import expandable_segments  # noqa: E402
+
+expandable_segments()           # before torch is imported (allocator.py says why)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from gemma2 import flags, memory, parallel, train  # noqa: E402
 from gemma2.measure import peak_bytes, tensor_bytes  # noqa: E402
@@ -127,7 +131,6 @@ def loss_peak(tokens: int = 1024, hidden: int = 256, vocab: int = 256000) -> dic
 
 
 def main(argv=None) -> None:
-    parallel.allocator_defaults()
     argv = sys.argv[1:] if argv is None else argv
     extra, _ = _extra(argv)
     if extra.ac_timing:

@@ -79,18 +79,6 @@ def pick_device(local_rank: int, local_world: int, want: str = "auto"):
     return torch.device("cpu"), "gloo"
 
 
-def allocator_defaults() -> None:
-    """Give the CUDA caching allocator expandable segments unless the allocator is configured
-    (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF set). The memory plan counts allocated bytes;
-    with fixed-size segments, freed blocks that fit no new request stay reserved, and a run the
-    plan fits can fail (2b, 131,072 tokens, --ac full on an 80 GB H100: plan 76.8 GiB, out of
-    memory with 4.5 GiB reserved but unallocated; with expandable segments it peaked at 76.2 GiB,
-    and 8K steps ran no slower). The allocator reads the setting once, when CUDA starts: call
-    this first thing in a run's main."""
-    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "PYTORCH_ALLOC_CONF" not in os.environ:
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-
-
 def init(cp: Optional[int] = None, device: str = "auto") -> Dist:
     """Initialise torch.distributed from torchrun's env (or as a 1-rank world when run plainly)
     and build the dp x cp mesh. cp None = all ranks do context parallelism (dp = 1)."""

@@ -22,11 +22,15 @@ import statistics
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gemma2.allocator import expandable_segments  # noqa: E402
+
+expandable_segments()           # before torch is imported (allocator.py says why)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from gemma2 import flags, fused, gaps, metrics, parallel, train  # noqa: E402
 
@@ -60,7 +64,6 @@ def variants(device_type: str, compile: bool = False):
 
 
 def main(argv=None) -> None:
-    parallel.allocator_defaults()
     extra, rest = _extra(sys.argv[1:] if argv is None else argv)
     args, cfg, world = flags.parse(rest + ["--fused", "torch"], __doc__)
     d = parallel.init(args.cp, args.device)

@@ -16,14 +16,17 @@ import os
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-
-import cp_softcap as cps
-
 if __package__ in (None, ""):   # run as a script: make `gemma2` importable from examples/
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from gemma2.allocator import expandable_segments  # noqa: E402
+
+expandable_segments()           # before torch is imported (allocator.py says why)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import cp_softcap as cps  # noqa: E402
 from gemma2 import checkpoint, flags, fused, memory, metrics, parallel, parallelize  # noqa: E402
 from gemma2.data import check_ids, get_batch, get_packed_batch, load_documents, load_tokens  # noqa: E402
 from gemma2.model import Gemma2, load_hf_weights  # noqa: E402
@@ -128,7 +131,6 @@ def train_step(model, opt, tokens, step: int, args, cfg, d, autocast):
 
 
 def main(argv=None) -> None:
-    parallel.allocator_defaults()
     args, cfg, world = flags.parse(argv, __doc__)
     job = plan_job(args, cfg, world)
     check_memory(args, job)
