@@ -121,7 +121,7 @@ def test_under_autocast_the_matmuls_run_in_its_dtype_forward_and_backward(device
     with Matmuls():
         with torch.autocast(device, dtype=torch.bfloat16):
             loss = softcap_cross_entropy_sum(h, w, lab, 30.0, 64)
-        loss.backward()
+            loss.backward()                # inside the region: the Function's dtypes still hold
     # forward logits, backward logits and dh in bf16 (5 slices each); CPU's dW matmul takes
     # float32 operands (no 16-bit matmul with a float32 output there)
     bf16 = 4 * 5 if device == "cuda" else 3 * 5

@@ -74,6 +74,13 @@ class _SoftcapCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total):
+        # the dtypes are the Function's (h's, float32 sums and dW), also when backward is called
+        # inside an autocast region, which would otherwise recast the float32 matmuls
+        with torch.autocast(grad_total.device.type, enabled=False):
+            return _SoftcapCE._backward(ctx, grad_total)
+
+    @staticmethod
+    def _backward(ctx, grad_total):
         h, w, labels = ctx.saved_tensors
         cap, chunk = ctx.cap, ctx.chunk
         dh = torch.empty_like(h)
@@ -115,9 +122,9 @@ def softcap_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels
         raise ValueError(f"loss chunk must be >= 1 token, got {chunk}")
     dt = autocast_dtype(hidden)
     if dt is not None:
-        # the slices' matmuls run in the autocast dtype in the backward too, which autograd runs
-        # outside autocast; the Function casts the embedding itself, once per pass, and returns
-        # its gradient in float32 (no bf16 copy of it kept between forward and backward)
+        # the slices' matmuls run in the autocast dtype in the backward too, where autocast is
+        # off; the Function casts the embedding itself, once per pass, and returns its gradient
+        # in float32 (no bf16 copy of it kept between forward and backward)
         hidden = hidden.to(dt)
     return _SoftcapCE.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
                             cap, chunk)
