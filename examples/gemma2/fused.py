@@ -55,6 +55,15 @@ def choose(fused: str, device_type: str, compile: bool = False) -> tuple:
     return PIECES
 
 
+def planned(fused: str, device_type: str, compile: bool = False) -> tuple:
+    """The pieces the memory plan counts as fused, by Liger or by inductor: all under --compile
+    or --fused liger, none with --fused torch, and for auto what this machine would pick (Liger
+    on CUDA when it imports), without the checks a run makes (--plan needs only shapes)."""
+    if compile or fused == "liger":
+        return PIECES
+    return () if fused == "torch" else choose("auto", device_type)
+
+
 def apply(model, pieces) -> None:
     """Switch the model's modules to Liger's kernels for `pieces` (from choose())."""
     unknown = set(pieces) - set(PIECES)

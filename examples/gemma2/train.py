@@ -45,16 +45,7 @@ def plan_job(args, cfg, world: int) -> memory.Job:
     return memory.Job(cfg, args.seq_len, args.batch_size, world, args.cp or world, fsdp=args.fsdp,
                       ac=args.ac, dtype=flags.compute_dtype(args), comm=args.comm,
                       loss_chunk=args.loss_chunk, device_type=flags.device_type(args),
-                      fused=planned_fused(args))
-
-
-def planned_fused(args) -> tuple:
-    """The pieces the plan counts as fused: all under --compile (inductor fuses them) or --fused
-    liger, none with --fused torch, and for auto what this machine would pick (Liger on CUDA when
-    it imports), without the checks a run makes (--plan needs only shapes)."""
-    if args.compile or args.fused == "liger":
-        return fused.PIECES
-    return () if args.fused == "torch" else fused.choose("auto", flags.device_type(args))
+                      fused=fused.planned(args.fused, flags.device_type(args), args.compile))
 
 
 def check_memory(args, job: memory.Job) -> None:
