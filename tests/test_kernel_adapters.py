@@ -326,3 +326,29 @@ def test_partial_dtype_is_the_kernels_declared_gradient_dtype(name, native):
     for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         want = dtype if native else (torch.float64 if dtype == torch.float64 else torch.float32)
         assert kernel.partial_dtype(dtype) == want, (name, dtype)
+
+
+def test_fa4_silences_only_its_aux_data_compile_warning():
+    """Once FA4 is bound, its DSL's per-compile 'aux_data cannot be converted to a JitArgument'
+    warning is filtered; any other warning, from FA4 or elsewhere, still shows."""
+    import types
+    import warnings
+
+    from cp_softcap.kernels import fa4
+
+    def fake(*names):                                   # a function taking these keywords
+        namespace = {}
+        exec(f"def f(q, k, v, *, {', '.join(names)}): pass", namespace)
+        return namespace["f"]
+
+    mod = types.SimpleNamespace(_flash_attn_fwd=fake(*fa4._FWD_KW, *fa4._VARLEN_KW),
+                                _flash_attn_bwd=fake(*fa4._BWD_KW, *fa4._VARLEN_KW))
+    aux = ("Argument aux_data (position 17) cannot be converted to a JitArgument for function "
+           "'cutlass___call___flash_attncuteflash_fwd_sm90'. Its type is not supported.")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warnings.warn(aux, UserWarning)                 # before FA4 is bound: shown
+        assert FA4Kernel(module=mod)._mod is mod
+        warnings.warn(aux, UserWarning)                 # after: filtered
+        warnings.warn("Argument q cannot be converted", UserWarning)
+    assert [str(w.message)[:21] for w in seen] == ["Argument aux_data (po", "Argument q cannot be "]
