@@ -270,14 +270,17 @@ def test_every_run_entry_sets_the_allocator_before_torch_is_imported():
     imports = [ast.unparse(n) for n in ast.walk(ast.parse(open(allocator.__file__).read()))
                if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert imports == ["import os"], imports
+
+    def roots(node):                    # the top-level packages an import statement loads
+        if isinstance(node, ast.Import):
+            return {a.name.split(".")[0] for a in node.names}
+        return {(node.module or "").split(".")[0]} if isinstance(node, ast.ImportFrom) else set()
+
     for name in ("train.py", "speed.py", "memcheck.py"):
         tree = ast.parse(open(os.path.join(ROOT, "examples", "gemma2", name)).read())
         call = next(n.lineno for n in tree.body if isinstance(n, ast.Expr)
                     and ast.unparse(n) == "expandable_segments()")
-        first_torch = min(n.lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
-                          and any(a.name.split(".")[0] in ("torch", "cp_softcap") for a in n.names)
-                          or isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0]
-                          in ("torch", "cp_softcap"))
+        first_torch = min(n.lineno for n in tree.body if roots(n) & {"torch", "cp_softcap"})
         assert call < first_torch, (name, call, first_torch)
         before = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.lineno < call
                   and n.module and n.module.startswith("gemma2")]

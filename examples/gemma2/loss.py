@@ -87,6 +87,8 @@ class _SoftcapCE(torch.autograd.Function):
         dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         wh = w.to(h.dtype)
         g = grad_total.float()
+        # dW's float32 products at most one slice's logits in size (what the slice held)
+        dw_rows = max(1, chunk * w.shape[0] // w.shape[1])
         for s, e in _slices(h.shape[0], chunk):
             z, t = _logits(h[s:e], wh, cap)
             lab = labels[s:e]
@@ -103,8 +105,7 @@ class _SoftcapCE(torch.autograd.Function):
             dzh = dz.to(h.dtype)
             del dz
             dh[s:e] = dzh @ wh
-            # dW's float32 products at most one slice's logits in size (what the slice held)
-            _add_mm(dw, dzh.t(), h[s:e], rows=max(1, chunk * w.shape[0] // w.shape[1]))
+            _add_mm(dw, dzh.t(), h[s:e], rows=dw_rows)
         return dh, dw.to(w.dtype), None, None, None
 
 

@@ -42,10 +42,11 @@ def lr_at(step: int, args) -> float:
 
 
 def plan_job(args, cfg, world: int) -> memory.Job:
+    device_type = flags.device_type(args)
     return memory.Job(cfg, args.seq_len, args.batch_size, world, args.cp or world, fsdp=args.fsdp,
                       ac=args.ac, dtype=flags.compute_dtype(args), comm=args.comm,
-                      loss_chunk=args.loss_chunk, device_type=flags.device_type(args),
-                      fused=fused.planned(args.fused, flags.device_type(args), args.compile))
+                      loss_chunk=args.loss_chunk, device_type=device_type,
+                      fused=fused.planned(args.fused, device_type, args.compile))
 
 
 def check_memory(args, job: memory.Job) -> None:
