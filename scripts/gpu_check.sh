@@ -76,7 +76,8 @@
 #                                      #   [".fa4a", ".liger"]: Liger's GPU tests
 #   bash scripts/gpu_check.sh nx5      # same machine: packed 27B (library vs FA4 alone)
 #   bash scripts/gpu_check.sh loss     # fresh machine, carry [".fa2", ".liger"]: our loss against
-#                                      #   Liger's on the GPU, speed.py at 8K (the loss's cost)
+#                                      #   Liger's on the GPU, the loss alone (benchmarks/lm_loss.py),
+#                                      #   speed.py at 8K (the loss's cost in a step)
 #   bash scripts/gpu_check.sh nx3      # call 3, carry [".fa2", ".peers"]: installs flash-attn 2
 #                                      #   and the peers, peers.py at world size 1 (every system)
 #   bash scripts/gpu_check.sh nx4      # call 4: 2b at 32K with --ac selective, the longest 2b
@@ -401,6 +402,8 @@ if [ "$phase" = loss ]; then                    # fresh machine, carry [".fa2", 
   step "our loss under autocast on the GPU (bf16 matmuls forward and backward), against Liger's, a training step"
   timeout 150 $PY -m pytest tests/test_gemma2_loss.py tests/test_gemma2_liger.py -q -rf -p no:cacheprovider \
       -k "cuda or loss_with_softcap or training_step" 2>&1 | tail -8 || rc=1
+  step "the LM-head loss alone, 2b's head at 8K tokens: ours at 1-8x its default slices, Liger's"
+  timeout 120 $PY benchmarks/lm_loss.py --out-dir "$OUT" 2>&1 | tail -8 || rc=1
   step "speed.py, 2b at 8K (flash-attn 2): all Liger pieces, each left out, none; the loss's cost"
   timeout 300 $PY examples/gemma2/speed.py --config 2b --seq-len 8192 --batch-size 1 --no-progress \
       --warm 2 --steps 3 --json "$OUT/speed_loss.jsonl" 2>&1 | grep -v "^ \|exe_args" | tail -12 || rc=1

@@ -34,27 +34,28 @@ def _logits(h: torch.Tensor, w: torch.Tensor, cap: Optional[float]):
     return t * cap, t
 
 
+def _capped_logits(h: torch.Tensor, w: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """_logits' first value alone, capped in place (the forward needs no tanh for later)."""
+    z = torch.nn.functional.linear(h, w).float()
+    return z if cap is None else z.div_(cap).tanh_().mul_(cap)
+
+
 def _slices(n: int, chunk: int):
     return ((s, min(s + chunk, n)) for s in range(0, n, chunk))
 
 
-_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")     # torch >= 2.8: mm(..., out_dtype=)
+_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")   # torch >= 2.8
 
 
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b in float32. 16-bit operands on CUDA stay 16-bit and accumulate into a float32 output
-    (a float32 matmul there runs at a fraction of the tensor cores' rate); elsewhere float32
-    operands (CPU has no 16-bit matmul with a float32 output)."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _MM_OUT_DTYPE:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
-
-
-def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: int) -> None:
-    """acc += a @ b into the float32 `acc`, `rows` rows at a time: no temporary of acc's size
-    (addmm cannot add a 16-bit product into a float32 tensor in place)."""
-    for r in range(0, a.shape[0], rows):
-        acc[r:r + rows] += _mm_f32(a[r:r + rows], b)
+def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b into the float32 `acc`, with no temporary of acc's size. 16-bit operands on
+    CUDA stay 16-bit and the GEMM adds its float32 result into acc itself (a float32 matmul there
+    runs at a fraction of the tensor cores' rate, and a separate add is two more passes over
+    acc); elsewhere float32 operands (CPU has no 16-bit GEMM with a float32 output)."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _ADDMM_OUT_DTYPE:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
 
 
 class _SoftcapCE(torch.autograd.Function):
@@ -63,7 +64,7 @@ class _SoftcapCE(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         wh = w.to(h.dtype)                  # h's dtype (the autocast dtype): once, not per slice
         for s, e in _slices(h.shape[0], chunk):
-            z = _logits(h[s:e], wh, cap)[0]
+            z = _capped_logits(h[s:e], wh, cap)
             lab = labels[s:e]
             valid = lab != IGNORE
             picked = z.gather(1, lab.clamp_min(0)[:, None])[:, 0]
@@ -87,25 +88,25 @@ class _SoftcapCE(torch.autograd.Function):
         dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         wh = w.to(h.dtype)
         g = grad_total.float()
-        # dW's float32 products at most one slice's logits in size (what the slice held)
-        dw_rows = max(1, chunk * w.shape[0] // w.shape[1])
         for s, e in _slices(h.shape[0], chunk):
             z, t = _logits(h[s:e], wh, cap)
             lab = labels[s:e]
-            valid = lab != IGNORE
             dz = torch.softmax(z, dim=1)                      # d(lse - z[label]) / dz
             del z
-            # -1 at each label; ignored rows (label clamped to 0) are zeroed by the next line,
-            # so no host sync picks the valid rows out
+            # -1 at each label; ignored rows (label clamped to 0) get a zero row scale below, so
+            # no host sync picks the valid rows out
             dz.scatter_add_(1, lab.clamp_min(0)[:, None], dz.new_full((e - s, 1), -1.0))
-            dz *= (valid.float() * g)[:, None]
-            if t is not None:                                 # through cap * tanh(x / cap)
-                dz *= t.mul_(t).neg_().add_(1.0)
+            scale = ((lab != IGNORE).float() * g)[:, None]
+            dzh = torch.empty(dz.shape, dtype=h.dtype, device=dz.device)
+            if t is None:
+                torch.mul(dz, scale, out=dzh)                 # scaled and cast in one pass
+            else:                                             # through cap * tanh(x / cap):
+                t.square_().sub_(1.0).mul_(scale.neg_())      # (1 - t^2) * scale, in t's buffer
+                torch.mul(dz, t, out=dzh)
                 del t
-            dzh = dz.to(h.dtype)
             del dz
             dh[s:e] = dzh @ wh
-            _add_mm(dw, dzh.t(), h[s:e], rows=dw_rows)
+            _add_mm(dw, dzh.t(), h[s:e])
         return dh, dw.to(w.dtype), None, None, None
 
 
