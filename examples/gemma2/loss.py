@@ -54,8 +54,8 @@ def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc); elsewhere float32 operands (CPU has no 16-bit GEMM with a float32 output)."""
     if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _ADDMM_OUT_DTYPE:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc.addmm_(a.float(), b.float())
+    else:       # addmm with out=, not addmm_: the same in-place GEMM, and FLOP counters see it
+        torch.addmm(acc, a.float(), b.float(), out=acc)
 
 
 class _SoftcapCE(torch.autograd.Function):
