@@ -54,7 +54,7 @@ def plot(blob: Dict, png: str) -> None:
     recs = blob["records"]
     labels = [r["variant"] for r in recs]
     bar_plot(png, labels, {"fwd+bwd ms": [r["ms"] for r in recs]}, "ms per loss fwd+bwd",
-             f"LM-head loss, {blob['meta']['tokens']} tokens x {blob['meta']['vocab']} vocab, "
+             f"LM-head loss, {blob['meta']['tokens']} tokens x {blob['meta']['vocab']} vocab\n"
              f"{blob['meta']['device']}")
 
 

@@ -67,6 +67,42 @@ def test_negative_control_without_cap():
     assert abs(loss.double() - ref_loss) / ref_loss > 1e-2 and rel(dh, ref_dh) > 1e-2
 
 
+def test_gradients_follow_the_incoming_gradient_and_only_what_needs_them():
+    """The gradients, computed in the forward, are scaled by the gradient that reaches the loss
+    (a mean, a gradient-accumulation factor); a frozen embedding gets no dW matmul, no grad mode
+    none at all; a second backward through one loss fails instead of scaling twice."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    h, w, lab = inputs()
+    ref_loss, ref_dh, ref_dw, _ = reference(h, w, lab, 30.0)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    (softcap_cross_entropy_sum(hh, ww, lab, 30.0, 64) * 0.25).backward()
+    assert rel(hh.grad * 4, ref_dh) < 1e-5 and rel(ww.grad * 4, ref_dw) < 1e-5
+
+    calls = []
+
+    class Matmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+                calls.append(func.overloadpacket)
+            return func(*args, **(kwargs or {}))
+
+    hh = h.clone().requires_grad_()
+    with Matmuls():
+        loss = softcap_cross_entropy_sum(hh, w, lab, 30.0, 64)     # w frozen: logits and dh
+    loss.backward()
+    assert len(calls) == 2 * 5 and rel(hh.grad, ref_dh) < 1e-5
+    calls.clear()
+    with Matmuls(), torch.no_grad():
+        loss = softcap_cross_entropy_sum(h.requires_grad_(), w.requires_grad_(), lab, 30.0, 64)
+    assert len(calls) == 5 and abs(loss.double() - ref_loss) / ref_loss < 1e-6    # logits only
+
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = softcap_cross_entropy_sum(hh, ww, lab, 30.0, 64)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace|in-place"):
+        loss.backward()
+
+
 def test_batch_shape_and_bad_inputs():
     h, w, lab = inputs(n=60)
     flat = softcap_cross_entropy_sum(h, w, lab, 30.0, 16)
@@ -99,9 +135,9 @@ def test_peak_memory_is_a_slice_not_the_vocabulary():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
 def test_under_autocast_the_matmuls_run_in_its_dtype_forward_and_backward(device):
-    """Under bf16 autocast the loss takes hidden and the embedding in bf16, cast once, so its
-    backward, which autograd runs outside autocast, multiplies in bf16 too (on CUDA the dW
-    matmul too, into a float32 output); the result stays within bf16 rounding of the float64
+    """Under bf16 autocast the loss takes hidden and the embedding in bf16, cast once, and its
+    gradient matmuls run in bf16 too (on CUDA the dW matmul too, into a float32 output), also
+    with backward called inside the region; the result stays within bf16 rounding of the float64
     reference with a saturating cap, the gradients come back in the parameters' float32, and
     dropping the cap is caught."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -122,10 +158,10 @@ def test_under_autocast_the_matmuls_run_in_its_dtype_forward_and_backward(device
         with torch.autocast(device, dtype=torch.bfloat16):
             loss = softcap_cross_entropy_sum(h, w, lab, 30.0, 64)
             loss.backward()                # inside the region: the Function's dtypes still hold
-    # forward logits, backward logits and dh in bf16 (5 slices each); CPU's dW matmul takes
-    # float32 operands (no 16-bit matmul with a float32 output there)
-    bf16 = 4 * 5 if device == "cuda" else 3 * 5
-    assert seen.count((torch.bfloat16, torch.bfloat16)) == bf16 and len(seen) == 4 * 5, seen
+    # logits and dh in bf16 (5 slices each), no logits recomputed in backward; CPU's dW matmul
+    # takes float32 operands (no 16-bit matmul with a float32 output there)
+    bf16 = 3 * 5 if device == "cuda" else 2 * 5
+    assert seen.count((torch.bfloat16, torch.bfloat16)) == bf16 and len(seen) == 3 * 5, seen
     assert loss.dtype == h.grad.dtype == w.grad.dtype == torch.float32
     assert all(torch.isfinite(t).all() for t in (loss, h.grad, w.grad))
     assert abs(loss.double().cpu() - ref_loss) / ref_loss < 1e-2

@@ -3,11 +3,13 @@
 The full path, `cross_entropy(cap * tanh(h @ W.T / cap), labels)`, holds float32 logits
 [tokens, vocab] (16 GiB at 16K tokens and Gemma2's 256,000-token vocabulary) plus their gradient.
 `softcap_cross_entropy_sum` computes the same sum with at most `chunk` tokens' logits alive at
-once, in forward and in backward: the forward keeps only the hidden states, the backward
-recomputes each slice's logits and turns them into that slice's dh and its share of dW at once.
-Sums and the dW accumulator are float32 whatever the input dtype, and dW comes back in the
-weight's dtype, unrounded for float32 weights; under autocast the matmuls run in the autocast
-dtype, forward and backward.
+once. The loss is a sum that only a backward consumes, so each slice's logits turn into that
+slice's dh and its share of dW in the forward, right after its loss (as Liger's fused linear
+cross-entropy does): one logits matmul per slice instead of a second one in backward, which
+only scales the kept gradients by the incoming one. Gradients are computed only for inputs that
+require them, and only with grad mode on. Sums and the dW accumulator are float32 whatever the
+input dtype, and dW comes back in float32, unrounded; under autocast the matmuls run in the
+autocast dtype.
 """
 from __future__ import annotations
 
@@ -60,43 +62,36 @@ def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 class _SoftcapCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, labels, cap, chunk):
+    def forward(ctx, h, w, labels, cap, chunk, need_dh, need_dw):
+        # the dtypes are the Function's own (h's for the matmuls, float32 sums and dW), with or
+        # without an autocast region around the call, which would recast the float32 GEMM
+        with torch.autocast(h.device.type, enabled=False):
+            return _SoftcapCE._forward(ctx, h, w, labels, cap, chunk, need_dh, need_dw)
+
+    @staticmethod
+    def _forward(ctx, h, w, labels, cap, chunk, need_dh, need_dw):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         wh = w.to(h.dtype)                  # h's dtype (the autocast dtype): once, not per slice
+        dh = torch.empty_like(h) if need_dh else None
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_dw else None
         for s, e in _slices(h.shape[0], chunk):
-            z = _capped_logits(h[s:e], wh, cap)
             lab = labels[s:e]
             valid = lab != IGNORE
+            if dh is None and dw is None:
+                z, t = _capped_logits(h[s:e], wh, cap), None
+            else:
+                z, t = _logits(h[s:e], wh, cap)
+            lse = torch.logsumexp(z, dim=1)
             picked = z.gather(1, lab.clamp_min(0)[:, None])[:, 0]
-            total += ((torch.logsumexp(z, dim=1) - picked) * valid).sum()
-        ctx.save_for_backward(h, w, labels)
-        ctx.cap, ctx.chunk = cap, chunk
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_total):
-        # the dtypes are the Function's (h's, float32 sums and dW), also when backward is called
-        # inside an autocast region, which would otherwise recast the float32 matmuls
-        with torch.autocast(grad_total.device.type, enabled=False):
-            return _SoftcapCE._backward(ctx, grad_total)
-
-    @staticmethod
-    def _backward(ctx, grad_total):
-        h, w, labels = ctx.saved_tensors
-        cap, chunk = ctx.cap, ctx.chunk
-        dh = torch.empty_like(h)
-        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-        wh = w.to(h.dtype)
-        g = grad_total.float()
-        for s, e in _slices(h.shape[0], chunk):
-            z, t = _logits(h[s:e], wh, cap)
-            lab = labels[s:e]
-            dz = torch.softmax(z, dim=1)                      # d(lse - z[label]) / dz
+            total += ((lse - picked) * valid).sum()
+            if dh is None and dw is None:
+                continue
+            dz = z.sub_(lse[:, None]).exp_()                  # softmax = d(lse - z[label]) / dz
             del z
             # -1 at each label; ignored rows (label clamped to 0) get a zero row scale below, so
             # no host sync picks the valid rows out
             dz.scatter_add_(1, lab.clamp_min(0)[:, None], dz.new_full((e - s, 1), -1.0))
-            scale = ((lab != IGNORE).float() * g)[:, None]
+            scale = valid.float()[:, None]
             dzh = torch.empty(dz.shape, dtype=h.dtype, device=dz.device)
             if t is None:
                 torch.mul(dz, scale, out=dzh)                 # scaled and cast in one pass
@@ -105,9 +100,25 @@ class _SoftcapCE(torch.autograd.Function):
                 torch.mul(dz, t, out=dzh)
                 del t
             del dz
-            dh[s:e] = dzh @ wh
-            _add_mm(dw, dzh.t(), h[s:e])
-        return dh, dw.to(w.dtype), None, None, None
+            if dh is not None:
+                dh[s:e] = dzh @ wh
+            if dw is not None:
+                _add_mm(dw, dzh.t(), h[s:e])
+        # saved, so a second backward through one loss fails loudly instead of scaling twice
+        ctx.save_for_backward(*(x for x in (dh, dw) if x is not None))
+        ctx.kept = (dh is not None, dw is not None)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        kept = iter(ctx.saved_tensors)
+        dh = next(kept) if ctx.kept[0] else None
+        dw = next(kept) if ctx.kept[1] else None
+        # in place: these buffers are this loss's alone, and a second backward through it is
+        # refused by autograd (saved tensors freed, or modified in place under retain_graph)
+        g = grad_total.float()
+        return (None if dh is None else dh.mul_(g), None if dw is None else dw.mul_(g),
+                None, None, None, None, None)
 
 
 def softcap_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -124,12 +135,12 @@ def softcap_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels
         raise ValueError(f"loss chunk must be >= 1 token, got {chunk}")
     dt = autocast_dtype(hidden)
     if dt is not None:
-        # the slices' matmuls run in the autocast dtype in the backward too, where autocast is
-        # off; the Function casts the embedding itself, once per pass, and returns its gradient
-        # in float32 (no bf16 copy of it kept between forward and backward)
+        # the slices' matmuls run in the autocast dtype inside the Function, which turns autocast
+        # off; it casts the embedding itself, once, and returns its gradient in float32
         hidden = hidden.to(dt)
+    grads = torch.is_grad_enabled()
     return _SoftcapCE.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
-                            cap, chunk)
+                            cap, chunk, grads and hidden.requires_grad, grads and weight.requires_grad)
 
 
 def autocast_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
