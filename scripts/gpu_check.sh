@@ -63,11 +63,11 @@
 #                                      # call 2, carry [".fa4b"]: fa4 tests of fully visible calls
 #                                      #   (dense and varlen), 2b train at 8K, packed 9B (library vs
 #                                      #   FA4 alone), packed overhead, cp_sim 27B per call, speed.py
-# What is left on one GPU (after the H100 run of 2026-12-06: nx1, mfu, nx3, 32K --ac selective,
-# 131,072 tokens --ac full), in order: loss (fresh machine, carry [".fa2", ".liger"]: our loss's
-# bf16 backward against Liger's, its speed); then nx1 and .fa4b/install.sh && nx4 (carry
-# [".fa4b", ".liger"]): the longest --ac selective fit (36,864 on an H100, ~88K on an H200)
-# and, on an H200, the longest --ac full fit (~296K).
+# What is left on one GPU (after the H200 and H100 runs of 2026-12-06: loss, nx4 on the H200, 8K
+# compile/eager/pack on the H200): loss (fresh machine, carry [".fa2", ".liger"]) again, for the
+# loss that computes its gradients in the forward (benchmarks/lm_loss.py sweeps its slice size
+# against Liger's); optionally nx1 then .fa4b/install.sh && nx4 on an H100 (the longest
+# --ac selective fit there, 36,864 tokens).
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh mfu
 #                                      # call 2, carry [".fa4b"], Liger installed by nx1: speed.py
 #                                      #   --compile at 8K (auto's pick, all Liger, none), the top
