@@ -70,7 +70,8 @@ def test_negative_control_without_cap():
 def test_gradients_follow_the_incoming_gradient_and_only_what_needs_them():
     """The gradients, computed in the forward, are scaled by the gradient that reaches the loss
     (a mean, a gradient-accumulation factor); a frozen embedding gets no dW matmul, no grad mode
-    none at all; a second backward through one loss fails instead of scaling twice."""
+    none at all; a second backward through one loss, or a double backward, fails instead of
+    giving a wrong gradient."""
     from torch.utils._python_dispatch import TorchDispatchMode
     h, w, lab = inputs()
     ref_loss, ref_dh, ref_dw, _ = reference(h, w, lab, 30.0)
@@ -96,11 +97,22 @@ def test_gradients_follow_the_incoming_gradient_and_only_what_needs_them():
         loss = softcap_cross_entropy_sum(h.requires_grad_(), w.requires_grad_(), lab, 30.0, 64)
     assert len(calls) == 5 and abs(loss.double() - ref_loss) / ref_loss < 1e-6    # logits only
 
-    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     loss = softcap_cross_entropy_sum(hh, ww, lab, 30.0, 64)
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="inplace|in-place"):
+    kept = ww.grad.clone()
+    with pytest.raises(RuntimeError, match="second backward through one loss"):
         loss.backward()
+    assert torch.equal(ww.grad, kept)                  # the first backward's gradient untouched
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):   # no version check
+        loss = softcap_cross_entropy_sum(hh, ww, lab, 30.0, 64)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward through one loss"):
+        loss.backward()
+    # a second-order term (a gradient penalty) would be silently missing: refused
+    loss = softcap_cross_entropy_sum(hh, ww, lab, 30.0, 64)
+    with pytest.raises(RuntimeError, match="create_graph"):
+        torch.autograd.grad(loss, hh, create_graph=True)
 
 
 def test_batch_shape_and_bad_inputs():

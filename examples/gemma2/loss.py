@@ -8,11 +8,12 @@ slice's dh and its share of dW in the forward, right after its loss (as Liger's 
 cross-entropy does): one logits matmul per slice instead of a second one in backward, which
 only scales the kept gradients by the incoming one. Gradients are computed only for inputs that
 require them, and only with grad mode on. Sums and the dW accumulator are float32 whatever the
-input dtype, and dW comes back in float32, unrounded; under autocast the matmuls run in the
-autocast dtype.
+input dtype, and dW leaves the Function in float32, unrounded (autograd casts it to the weight's
+dtype); under autocast the matmuls run in the autocast dtype.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -46,7 +47,20 @@ def _slices(n: int, chunk: int):
     return ((s, min(s + chunk, n)) for s in range(0, n, chunk))
 
 
-_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")   # torch >= 2.8
+@functools.lru_cache(maxsize=None)
+def _gemm_adds_into_float32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch adds a 16-bit GEMM's float32 result into a float32 tensor on `device`
+    (addmm with out_dtype, torch >= 2.8 on CUDA): tried once on tiny tensors, since the overload
+    can exist and still refuse a float32 accumulator."""
+    if not hasattr(torch.ops.aten.addmm, "dtype_out"):
+        return False
+    a = torch.ones(2, 2, dtype=dtype, device=device)
+    acc = torch.ones(2, 2, dtype=torch.float32, device=device)
+    try:
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool((acc == 3).all())
 
 
 def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -54,7 +68,7 @@ def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     CUDA stay 16-bit and the GEMM adds its float32 result into acc itself (a float32 matmul there
     runs at a fraction of the tensor cores' rate, and a separate add is two more passes over
     acc); elsewhere float32 operands (CPU has no 16-bit GEMM with a float32 output)."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _ADDMM_OUT_DTYPE:
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _gemm_adds_into_float32(a.device, a.dtype):
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:       # addmm with out=, not addmm_: the same in-place GEMM, and FLOP counters see it
         torch.addmm(acc, a.float(), b.float(), out=acc)
@@ -104,19 +118,27 @@ class _SoftcapCE(torch.autograd.Function):
                 dh[s:e] = dzh @ wh
             if dw is not None:
                 _add_mm(dw, dzh.t(), h[s:e])
-        # saved, so a second backward through one loss fails loudly instead of scaling twice
         ctx.save_for_backward(*(x for x in (dh, dw) if x is not None))
-        ctx.kept = (dh is not None, dw is not None)
+        ctx.kept, ctx.used = (dh is not None, dw is not None), False
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
+        if torch.is_grad_enabled() and any(ctx.needs_input_grad[:2]):
+            raise RuntimeError(
+                "softcap_cross_entropy_sum: its gradients are computed in its forward and cannot be "
+                "differentiated again (create_graph=True, e.g. a gradient penalty); compute that "
+                "loss with the full logits instead")
+        if ctx.used:
+            raise RuntimeError(
+                "softcap_cross_entropy_sum: a second backward through one loss (retain_graph=True); "
+                "its gradients were kept from the forward and scaled in place by the first: "
+                "compute the loss again for each backward")
+        ctx.used = True
         kept = iter(ctx.saved_tensors)
         dh = next(kept) if ctx.kept[0] else None
         dw = next(kept) if ctx.kept[1] else None
-        # in place: these buffers are this loss's alone, and a second backward through it is
-        # refused by autograd (saved tensors freed, or modified in place under retain_graph)
-        g = grad_total.float()
+        g = grad_total.float()          # in place: the buffers are this loss's alone
         return (None if dh is None else dh.mul_(g), None if dw is None else dw.mul_(g),
                 None, None, None, None, None)
 
@@ -126,7 +148,13 @@ def softcap_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels
     """Sum over labels != -100 of cross-entropy(cap * tanh(hidden @ weight.T / cap), labels), float32.
 
     hidden [..., H], weight [V, H] (the tied embedding), labels [...] (same leading shape).
-    cap None: plain logits. chunk: tokens per slice (default: 256 MiB of float32 logits)."""
+    cap None: plain logits. chunk: tokens per slice (default: 256 MiB of float32 logits).
+
+    With grad mode on, the gradients of the inputs that require them are computed here, in the
+    forward, and kept until the backward: a float32 [V, H] dW (2.4 GB at Gemma2's vocabulary)
+    lives as long as the returned loss. So evaluate under torch.no_grad(), log loss.item() rather
+    than the loss, and call backward once per loss (a second backward, or create_graph=True,
+    raises)."""
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} must share "
                          "their leading (token) dimensions")
