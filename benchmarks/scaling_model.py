@@ -1,7 +1,7 @@
 """A MODEL, not a measurement: predicted fwd+bwd attention time per layer for ring, all_gather,
 a2a, a2a+p2p and auto on N = 8-128 GPUs, from one-GPU kernel times and the library's own byte
 model. It answers "which comm, at what scale, and where does communication stop hiding under
-compute" until several GPUs are lent to measure it.
+compute" until it is measured on several GPUs.
 
     python benchmarks/scaling_model.py                     # kernel times from cp_sim's H200 JSON
     python benchmarks/scaling_model.py --kernel-times results/cp_sim_x.json [...]   # a fresh run

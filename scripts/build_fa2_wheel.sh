@@ -6,8 +6,8 @@
 #   TORCH_SPEC=torch==2.11.0 ARCHS=90 PY=python3.12 JOBS=2 TRIM=1 bash scripts/build_fa2_wheel.sh
 #   nohup bash scripts/build_fa2_wheel.sh > fa2_build.log 2>&1 &      # 35-90 min on 2 cores
 #
-# The wheel lands in $OUT_DIR (default .fa2/, git-ignored), ready for a device call that carries
-# .fa2 (scripts/gpu_check.sh fa2 installs it with pip --no-index --no-deps).
+# The wheel lands in $OUT_DIR (default .fa2/, git-ignored), ready to copy along to the GPU machine
+# (scripts/gpu_check.sh fa2 installs it with pip --no-index --no-deps).
 #
 # TRIM=1 (default) builds a TEST wheel: head-dim tiles 64/128/256 only and dropout/ALiBi compiled
 # out, which halves the number of CUDA files and cuts each one by about a third. Head dims other

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# GPU tests + benchmarks on the device machine (H200), writing logs and JSON under $OUT.
+# GPU tests + benchmarks on the GPU machine, writing logs and JSON under $OUT.
 #
 #   bash scripts/gpu_check.sh all      # one call: FA4 already importable (or not needed)
-#   bash scripts/gpu_check.sh nofa4    # device call 1 (carry [".fa4a"]): env, flex/sdpa/merge
+#   bash scripts/gpu_check.sh nofa4    # run 1 (with .fa4a/ present): env, flex/sdpa/merge
 #                                      #   tests, flex+sdpa+cuDNN kernel benchmark
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh fa4
-#                                      # device call 2 (carry [".fa4b"], right after call 1):
+#                                      # run 2 (with .fa4b/ present, right after call 1):
 #                                      #   FA4 tests, FA4 kernel benchmark, cp_sim
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh extra
 #                                      # (call 2 of a second pair): cp_sim with CUDA graphs,
@@ -27,58 +27,58 @@
 #                                      # (call 2): CP GPU tests, cp_sim with bf16 dK/dV returns,
 #                                      #   window 4095 with CUDA graphs, profile at cp 8
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh fa2
-#                                      # (call 2, carry [".fa4b", ".fa2"]; scripts/stage_fa2.sh
+#                                      # (call 2, with .fa4b/ .fa2/ present; scripts/stage_fa2.sh
 #                                      #   fills .fa2/ first): installs the flash-attn 2 wheel,
 #                                      #   fa2 kernel tests, CP tests with fa2 forced, fa2 next to
 #                                      #   fa4/flex/cuDNN in the kernel benchmark
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh flexflash
 #                                      # (call 2): bitwise bf16-return test, flex's FA4 (CuTe)
 #                                      #   backend with a softcap score_mod vs flex Triton / fa4
-#   bash scripts/gpu_check.sh packed   # ONE call, carry [".fa2"] (no fa4): flash-attn 2 and flex
+#   bash scripts/gpu_check.sh packed   # ONE call, with .fa2/ present (no fa4): flash-attn 2 and flex
 #                                      #   with packed documents (segments), kernels, autocast and
 #                                      #   CP tests on one GPU except the fa4 cases, cp_sim --packed
 # Packed documents at fa4 and every GPU test file, three calls back to back on one machine:
-#   bash scripts/gpu_check.sh pk1      # call 1, carry [".fa4a"]: flex compile probe (small packed
+#   bash scripts/gpu_check.sh pk1      # call 1, with .fa4a/ present: flex compile probe (small packed
 #                                      #   geometries), GPU tests that need neither fa4 nor fa2
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh pk2
-#                                      # call 2, carry [".fa4b"] (with .fa2 it is over the carry
-#                                      #   limit): fa4 varlen tests, every fa4 kernel and autocast test
+#                                      # call 2, with .fa4b/ present (with .fa2 too it is too large
+#                                      #   to copy along): fa4 varlen tests, every fa4 kernel and autocast test
 #   bash scripts/gpu_check.sh pk2b     # same machine: every CP test on one GPU (packed, unpacked)
-#   bash scripts/gpu_check.sh pkcp     # (same machine, carry [".fa2"]) pk2b and pk4 in one call:
+#   bash scripts/gpu_check.sh pkcp     # (same machine, with .fa2/ present) pk2b and pk4 in one call:
 #                                      #   CP tests with fa4, fa2 and flex, then the fa2 tests
-#   bash scripts/gpu_check.sh pk3      # call 3 (same machine, carry [".fa2"]): installs flash-attn
+#   bash scripts/gpu_check.sh pk3      # call 3 (same machine, with .fa2/ present): installs flash-attn
 #                                      #   2; packed kernels vs cuDNN, cp_sim --packed with fa4, 27B
 #                                      #   per-call profile (fully visible calls also as windowed
 #                                      #   calls and with the backward in key pieces)
 #   bash scripts/gpu_check.sh pk4      # call 4 (same machine): the fa2 kernel, autocast and CP tests
-#   bash scripts/gpu_check.sh train26  # carry [".liger"] (scripts/stage_liger.sh), fa4 + fa2
+#   bash scripts/gpu_check.sh train26  # with .liger/ present (scripts/stage_liger.sh), fa4 + fa2
 #                                      #   installed: Liger vs our pieces, Gemma2 2b 8K train (eager,
 #                                      #   expandable segments, --compile, --pack), per-piece speed +
 #                                      #   top kernels at 8K and 4K
 #   bash scripts/gpu_check.sh train26b # next call, same machine: 32K plan vs measured peak, HF
 #                                      #   attention impls (4K), the longest sequence that fits
 # Two calls on a fresh machine: the loss, packed-call and fa4-tile changes, re-measured:
-#   bash scripts/gpu_check.sh lg1      # call 1, carry [".fa4a", ".liger"]: Liger tests on the GPU
+#   bash scripts/gpu_check.sh lg1      # call 1, with .fa4a/ .liger/ present: Liger tests on the GPU
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh fix2
-#                                      # call 2, carry [".fa4b"]: fa4 tests of fully visible calls
+#                                      # call 2, with .fa4b/ present: fa4 tests of fully visible calls
 #                                      #   (dense and varlen), 2b train at 8K, packed 9B (library vs
 #                                      #   FA4 alone), packed overhead, cp_sim 27B per call, speed.py
 # What is left on one GPU (after the H200 and H100 runs of 2026-12-06: loss, nx4 on the H200, 8K
-# compile/eager/pack on the H200): loss (fresh machine, carry [".fa2", ".liger"]) again, for the
+# compile/eager/pack on the H200): loss (fresh machine, with .fa2/ .liger/ present) again, for the
 # loss that computes its gradients in the forward (benchmarks/lm_loss.py sweeps its slice size
 # against Liger's); optionally nx1 then .fa4b/install.sh && nx4 on an H100 (the longest
 # --ac selective fit there, 36,864 tokens).
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh mfu
-#                                      # call 2, carry [".fa4b"], Liger installed by nx1: speed.py
+#                                      # call 2, with .fa4b/ present, Liger installed by nx1: speed.py
 #                                      #   --compile at 8K (auto's pick, all Liger, none), the top
 #                                      #   kernels of auto's pick and where its GPU waited (trace)
-#   bash scripts/gpu_check.sh nx1      # (instead of pk1 when only Liger is wanted) carry
+#   bash scripts/gpu_check.sh nx1      # (instead of pk1 when only Liger is wanted) with
 #                                      #   [".fa4a", ".liger"]: Liger's GPU tests
 #   bash scripts/gpu_check.sh nx5      # same machine: packed 27B (library vs FA4 alone)
-#   bash scripts/gpu_check.sh loss     # fresh machine, carry [".fa2", ".liger"]: our loss against
+#   bash scripts/gpu_check.sh loss     # fresh machine, with .fa2/ .liger/ present: our loss against
 #                                      #   Liger's on the GPU, the loss alone (benchmarks/lm_loss.py),
 #                                      #   speed.py at 8K (the loss's cost in a step)
-#   bash scripts/gpu_check.sh nx3      # call 3, carry [".fa2", ".peers"]: installs flash-attn 2
+#   bash scripts/gpu_check.sh nx3      # call 3, with .fa2/ .peers/ present: installs flash-attn 2
 #                                      #   and the peers, peers.py at world size 1 (every system)
 #   bash scripts/gpu_check.sh nx4      # call 4: 2b at 32K with --ac selective, the longest 2b
 #                                      #   sequences the plan fits with --ac selective and --ac full
@@ -91,9 +91,9 @@
 #                                      #   allows), and window 4095
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh torchcp
 #                                      # torch_cp: cps next to PyTorch's own context_parallel
-#   bash scripts/gpu_check.sh peers    # ONE GPU, carry [".peers"] (scripts/stage_peers.sh fills it;
+#   bash scripts/gpu_check.sh peers    # ONE GPU, with .peers/ present (scripts/stage_peers.sh fills it;
 #                                      #   flash-attn 2 already installed): peers.py at world size 1
-#   On N GPUs (same carry): torchrun --nproc-per-node N benchmarks/peers.py [--a2a-size 2 4]
+#   On N GPUs (same folders present): torchrun --nproc-per-node N benchmarks/peers.py [--a2a-size 2 4]
 #                                      #   -> benchmarks/results/peers_N<N>.json and .png
 #   bash .fa4b/install.sh && bash scripts/gpu_check.sh gemma2multi
 #                                      # Gemma2 training with cp = every GPU, FSDP2, selective AC
@@ -105,7 +105,7 @@ phase=${1:-all}
 OUT=${OUT:-/tmp/gpu_check_out}
 mkdir -p "$OUT"
 # The repo root on the path: scripts run as subprocesses (train.py, speed.py) import cp_softcap
-# from the checkout, which the device machine does not pip-install.
+# from the checkout, which the GPU machine does not pip-install.
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 dry=${GPU_CHECK_DRY:-0}
@@ -239,7 +239,7 @@ if [ "$phase" = flexflash ]; then               # after fa4 is installed
   timeout 200 $PY benchmarks/flex_flash.py $bench_args --models 9B --rep-ms 100 2>&1 | tail -30 || rc=1
   cp $bench_out/flex_flash.json $bench_out/flex_flash.png "$OUT/" 2>/dev/null
 fi
-if [ "$phase" = packed ]; then                  # carry .fa2; fa4 cases skip themselves
+if [ "$phase" = packed ]; then                  # .fa2/ present; fa4 cases skip themselves
   install_fa2
   step "GPU tests: segments (fa2 varlen, flex, torch), kernels, autocast (fa4 cases skip without it)"
   timeout 170 $PY -m pytest tests/test_gpu_segments.py tests/test_gpu_kernels.py tests/test_gpu_autocast.py \
@@ -276,7 +276,7 @@ install_liger() {                               # the liger-kernel wheel carried
     $PY -m pip install -q --no-deps --no-index --no-compile .liger/*.whl 2>&1 | tail -3
   fi
 }
-if [ "$phase" = pk1 ]; then                     # carry [".fa4a", ".liger"]: part a of fa4 stays for pk2
+if [ "$phase" = pk1 ]; then                     # with .fa4a/ .liger/ present: part a of fa4 stays for pk2
   install_liger
   step "GPU tests without fa4/fa2: flex, sdpa, torch, merge, adapters, autocast, segments"
   timeout 280 $PY -m pytest tests/test_gpu_kernels.py tests/test_gpu_merge.py tests/test_kernel_adapters.py \
@@ -294,7 +294,7 @@ if [ "$phase" = pk2b ]; then                    # same machine, fa4 installed by
   timeout 500 $PY -m pytest tests/test_gpu_packed_cp.py tests/test_gpu_cp.py -v -rf --tb=short -n 6 \
       -p no:cacheprovider -k "not fa2" 2>&1 | tee "$OUT/pytest_pk2_cp.log" | verdicts || rc=1
 fi
-if [ "$phase" = pkcp ]; then                    # carry [".fa2"], fa4 installed by pk2: pk2b and pk4 in one call
+if [ "$phase" = pkcp ]; then                    # with .fa2/ present, fa4 installed by pk2: pk2b and pk4 in one call
   install_fa2
   step "GPU CP tests with every kernel (fa4, fa2, flex), packed and unpacked, 2 and 4 ranks on one GPU"
   timeout 270 $PY -m pytest tests/test_gpu_packed_cp.py tests/test_gpu_cp.py -v -rf --tb=short -n 8 \
@@ -330,7 +330,7 @@ if [ "$phase" = pk4 ]; then                     # flash-attn 2 installed by pk3 
       tests/test_gpu_packed_cp.py tests/test_gpu_cp.py -v -rf --tb=short -n 8 -p no:cacheprovider -k fa2 \
       2>&1 | tee "$OUT/pytest_pk4.log" | verdicts || rc=1
 fi
-if [ "$phase" = peers ] || [ "$phase" = nx3 ]; then   # one GPU, carry [".peers"] (scripts/stage_peers.sh) and .fa2
+if [ "$phase" = peers ] || [ "$phase" = nx3 ]; then   # one GPU, with .peers/ present (scripts/stage_peers.sh) and .fa2
   install_fa2
   step "install ring-flash-attn and yunchang from .peers/"
   if ls .peers/*.whl >/dev/null 2>&1; then
@@ -350,12 +350,12 @@ if [ "$phase" = peers ] || [ "$phase" = nx3 ]; then   # one GPU, carry [".peers"
     peers_run 27B 27b
   fi
 fi
-if [ "$phase" = nx1 ]; then                     # fresh machine, carry [".fa4a", ".liger"]
+if [ "$phase" = nx1 ]; then                     # fresh machine, with .fa4a/ .liger/ present
   install_liger
   step "Liger's pieces against ours in bf16 on the GPU"
   timeout 200 $PY -m pytest tests/test_gemma2_liger.py -q -rf -p no:cacheprovider 2>&1 | tail -8 || rc=1
 fi
-if [ "$phase" = mfu ]; then                     # carry [".fa4b"] after .fa4b/install.sh; Liger from nx1
+if [ "$phase" = mfu ]; then                     # with .fa4b/ present after .fa4b/install.sh; Liger from nx1
   step "speed.py --compile, 2b at 8K: auto's pick (Liger's loss), all Liger, none; top kernels"
   timeout 420 $PY examples/gemma2/speed.py --config 2b --seq-len 8192 --batch-size 1 --no-progress --compile \
       --warm 2 --steps 3 --json "$OUT/speed_compile.jsonl" --profile-table "$OUT/profile_compile.txt" \
@@ -367,7 +367,7 @@ if [ "$phase" = nx5 ]; then                     # same machine, fa4 installed
       --tag 27b 2>&1 | tail -10 || rc=1
   cp $bench_out/packed_kernels_27b.json "$OUT/" 2>/dev/null
 fi
-if [ "$phase" = nx4 ]; then                     # fa4 installed; carry .liger too (the plan counts its pieces)
+if [ "$phase" = nx4 ]; then                     # fa4 installed; .liger/ too (the plan counts its pieces)
   install_liger
   plan_and_train() {                           # seq, ac, steps, time limit, metrics name: 2b
     $PY examples/gemma2/train.py --plan --config 2b --seq-len $1 --batch-size 1 --ac $2 | grep "peak ="
@@ -396,7 +396,7 @@ if [ "$phase" = nx4 ]; then                     # fa4 installed; carry .liger to
     fi
   done
 fi
-if [ "$phase" = loss ]; then                    # fresh machine, carry [".fa2", ".liger"] (no fa4 needed)
+if [ "$phase" = loss ]; then                    # fresh machine, with .fa2/ .liger/ present (no fa4 needed)
   install_fa2
   install_liger
   step "our loss under autocast on the GPU (bf16 matmuls forward and backward), against Liger's, a training step"
@@ -408,13 +408,13 @@ if [ "$phase" = loss ]; then                    # fresh machine, carry [".fa2", 
   timeout 300 $PY examples/gemma2/speed.py --config 2b --seq-len 8192 --batch-size 1 --no-progress \
       --warm 2 --steps 3 --json "$OUT/speed_loss.jsonl" 2>&1 | grep -v "^ \|exe_args" | tail -12 || rc=1
 fi
-if [ "$phase" = lg1 ]; then                     # fresh machine, carry [".fa4a", ".liger"]
+if [ "$phase" = lg1 ]; then                     # fresh machine, with .fa4a/ .liger/ present
   install_liger
   step "Liger's loss (slices, autocast dtype) against ours in bf16"
   timeout 40 $PY -m pytest tests/test_gemma2_liger.py -q -rf -p no:cacheprovider -k "loss_with_softcap or training_step" \
       2>&1 | tail -8 || rc=1
 fi
-if [ "$phase" = fix2 ]; then                    # next call, carry [".fa4b"], after .fa4b/install.sh
+if [ "$phase" = fix2 ]; then                    # next call, with .fa4b/ present, after .fa4b/install.sh
   step "fa4 GPU tests: fully visible calls (windowed tiles at head dim 128) and the merged-LSE backward"
   timeout 80 $PY -m pytest tests/test_gpu_kernels.py tests/test_gpu_segments.py -v -rf --tb=short -n 8 \
       -p no:cacheprovider -k "(fa4 and (windows or merged)) or (gemma2_heads and full)" 2>&1 \
@@ -452,7 +452,7 @@ if [ "$phase" = train26 ] || [ "$phase" = train26b ]; then   # one GPU; fa4 and 
     tail -1 "$T/$name.jsonl" 2>/dev/null
   }
 fi
-if [ "$phase" = train26 ]; then                 # call 1 of 2: carry [".liger"]
+if [ "$phase" = train26 ]; then                 # call 1 of 2: with .liger/ present
   install_liger
   $PY -c "import sys; sys.path.insert(0, 'examples'); from gemma2 import fused; print('liger:', fused.liger_problem() or 'imports')" 2>&1 | tee -a "$log"
   step "Liger's RMSNorm/GEGLU/RoPE/loss against ours in bf16; the FLOP formula against flop_counter"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Put a flash-attn 2 wheel into .fa2/ (git-ignored) so that a device call can carry it.
+# Put a flash-attn 2 wheel into .fa2/ (git-ignored), to copy along to a GPU machine.
 #   bash scripts/stage_fa2.sh path/to/flash_attn-*.whl
 # Build such a wheel with scripts/build_fa2_wheel.sh when none exists for the target torch.
 set -euo pipefail

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Put the liger-kernel wheel into .liger/ (git-ignored) so that a device call can carry it: the
-# GPU machine has no package index. Its other requirements (torch, triton, packaging) are
+# Put the liger-kernel wheel into .liger/ (git-ignored), to copy along to a GPU machine that has
+# no package index. Its other requirements (torch, triton, packaging) are
 # already there, so only liger-kernel itself is staged (pure Python, any platform).
-#   bash scripts/stage_liger.sh        # then carry [".liger"]; gpu_check.sh train26 installs it
+#   bash scripts/stage_liger.sh        # then copy .liger/ along; gpu_check.sh train26 installs it
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=$(sed -n 's/^gpu = \["liger-kernel==\([^"]*\)"\]$/\1/p' pyproject.toml)

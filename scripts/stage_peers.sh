@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Put the peers' wheels for benchmarks/peers.py into .peers/ (git-ignored), so that a device
-# call on a machine without a package index can carry and install them:
+# Put the peers' wheels for benchmarks/peers.py into .peers/ (git-ignored), to copy along to a
+# GPU machine without a package index and install them there:
 #   bash scripts/stage_peers.sh            # here, with an index
-#   bash scripts/gpu_check.sh peers        # there, carry [".peers"]: pip install --no-index --no-deps
+#   bash scripts/gpu_check.sh peers        # there, with .peers/: pip install --no-index --no-deps
 # Both are pure Python (py3-none-any) and need nothing beyond torch and flash-attn 2 (installed
 # there separately); ring-flash-attn's package __init__ also imports transformers for its HF
 # adapter, which peers.py does without when that import fails. Versions: the ones the harness's
