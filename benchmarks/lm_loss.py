@@ -1,5 +1,6 @@
 """The LM head's loss alone at Gemma2's shapes: the chunked softcapped cross-entropy of
-examples/gemma2/loss.py at several slice sizes, next to Liger's fused linear cross-entropy.
+examples/gemma2/loss.py at several slice sizes, next to Liger's fused linear cross-entropy and
+the plain PyTorch path with all logits at once.
 
     python benchmarks/lm_loss.py                 # GPU: 2b's head (2304 x 256,000), 8K tokens
     python benchmarks/lm_loss.py --dry-run       # CPU, tiny shapes (a check of the script)
@@ -46,12 +47,38 @@ def step(fn, h, w, lab, chunk: Optional[int], autocast: bool):
     return out.detach(), h.grad, w.grad
 
 
+def full_logits(h, w, lab, cap, chunk):
+    """The plain PyTorch path the sliced losses replace: all [tokens, vocab] logits at once."""
+    z = torch.nn.functional.linear(h, w).float()
+    z = cap * torch.tanh(z / cap)
+    return torch.nn.functional.cross_entropy(z, lab, ignore_index=loss.IGNORE, reduction="sum")
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def measure(fn, h, w, lab, chunk, ref, rep_ms: int) -> Dict:
+    """ms, peak GiB above the inputs (CUDA only) and the errors against ref of one variant."""
+    got = step(fn, h, w, lab, chunk, autocast=True)
+    errs = [rel(x, r) for x, r in zip(got, ref)]
+    del got
+    h.grad = w.grad = None
+    ms = bench_ms(lambda: step(fn, h, w, lab, chunk, autocast=True), rep_ms=rep_ms)
+    peak = None
+    if h.is_cuda:
+        h.grad = w.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step(fn, h, w, lab, chunk, autocast=True)
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+    return dict(ms=ms, peak_gib=peak, loss_rel=errs[0], dh_rel=errs[1], dw_rel=errs[2])
+
+
 def plot(blob: Dict, png: str) -> None:
-    recs = blob["records"]
+    recs = [r for r in blob["records"] if "ms" in r]
     labels = [r["variant"] for r in recs]
     bar_plot(png, labels, {"fwd+bwd ms": [r["ms"] for r in recs]}, "ms per loss fwd+bwd",
              f"LM-head loss, {blob['meta']['tokens']} tokens x {blob['meta']['vocab']} vocab\n"
@@ -82,26 +109,20 @@ def main(argv=None) -> int:
                  loss.softcap_cross_entropy_sum, c) for c in chunks]
     if dev == "cuda" and fused.liger_problem() is None:
         variants.append(("Liger (default slices)", fused.softcap_cross_entropy_sum, None))
+    variants.append(("PyTorch, full logits", full_logits, None))
     records, rows = [], [["variant", "ms", "peak GiB", "loss rel", "dh rel", "dW rel"]]
     for name, fn, chunk in variants:
-        got = step(fn, h, w, lab, chunk, autocast=True)
-        errs = [rel(x, r) for x, r in zip(got, ref)]
-        del got
-        h.grad = w.grad = None
-        ms = bench_ms(lambda: step(fn, h, w, lab, chunk, autocast=True), rep_ms=a.rep_ms)
-        peak = None
-        if dev == "cuda":
+        try:
+            rec = measure(fn, h, w, lab, chunk, ref, a.rep_ms)
+        except torch.OutOfMemoryError as e:          # a variant that does not fit is a result too
             h.grad = w.grad = None
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            step(fn, h, w, lab, chunk, autocast=True)
-            torch.cuda.synchronize()
-            peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-        records.append(dict(variant=name, chunk=chunk, ms=ms, peak_gib=peak, loss_rel=errs[0],
-                            dh_rel=errs[1], dw_rel=errs[2]))
-        rows.append([name, f"{ms:.1f}", "-" if peak is None else f"{peak:.2f}",
-                     *(f"{e:.1e}" for e in errs)])
+            torch.cuda.empty_cache()
+            records.append(dict(variant=name, chunk=chunk, error=str(e).split(". ")[0]))
+            rows.append([name, "out of memory", "-", "-", "-", "-"])
+            continue
+        records.append(dict(variant=name, chunk=chunk, **rec))
+        rows.append([name, f"{rec['ms']:.1f}", "-" if rec["peak_gib"] is None else f"{rec['peak_gib']:.2f}",
+                     *(f"{rec[k]:.1e}" for k in ("loss_rel", "dh_rel", "dw_rel"))])
     meta = dict(tokens=a.tokens, hidden=a.hidden, vocab=a.vocab, softcap=CAP, dtype="bfloat16 autocast",
                 device=device_name() if dev == "cuda" else "cpu", torch=torch.__version__,
                 reference="the same loss in float32, no autocast")
