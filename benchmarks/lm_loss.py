@@ -1,6 +1,7 @@
 """The LM head's loss alone at Gemma2's shapes: the chunked softcapped cross-entropy of
-examples/gemma2/loss.py at several slice sizes, next to Liger's fused linear cross-entropy and
-the plain PyTorch path with all logits at once.
+examples/gemma2/loss.py at several slice sizes (on a GPU also with compiled=True, its slices'
+elementwise work fused by inductor), next to Liger's fused linear cross-entropy and the plain
+PyTorch path with all logits at once.
 
     python benchmarks/lm_loss.py                 # GPU: 2b's head (2304 x 256,000), 8K tokens
     python benchmarks/lm_loss.py --dry-run       # CPU, tiny shapes (a check of the script)
@@ -15,6 +16,7 @@ row runs only where liger_kernel imports (GPU). Writes lm_loss[_tag].json and .p
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from typing import Dict, Optional
@@ -107,6 +109,9 @@ def main(argv=None) -> int:
     ref = step(loss.softcap_cross_entropy_sum, h, w, lab, default, autocast=False)   # float32
     variants = [(f"ours, {c} tokens/slice" + (" (default)" if c == default else ""),
                  loss.softcap_cross_entropy_sum, c) for c in chunks]
+    if dev == "cuda":       # the slices' elementwise work fused by inductor (compiled=True)
+        variants += [(f"ours compiled, {c} tokens/slice", functools.partial(
+            loss.softcap_cross_entropy_sum, compiled=True), c) for c in (chunks[0], chunks[-1])]
     if dev == "cuda" and fused.liger_problem() is None:
         variants.append(("Liger (default slices)", fused.softcap_cross_entropy_sum, None))
     variants.append(("PyTorch, full logits", full_logits, None))

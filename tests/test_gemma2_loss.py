@@ -207,3 +207,34 @@ def test_under_autocast_the_peak_is_the_memory_plans_loss_row():
     planned = memory._loss_buffers(job, act=2)
     measured = peak_bytes(step, torch.device("cpu"))
     assert measured <= 1.05 * planned, (measured / planned, measured, planned)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cap", [30.0, None])
+def test_compiled_slices_equal_the_float64_reference(cap):
+    """compiled=True runs each slice's elementwise work as inductor's fused kernels (here its CPU
+    backend): the same loss and gradients as the float64 full-logits reference with a
+    saturating cap, ignored labels and a last slice of another length; under bf16 autocast it
+    agrees with the eager slices (the same bf16 logits, float32 math); a dropped cap is caught."""
+    h, w, lab = inputs(n=150, vocab=300)
+    ref_loss, ref_dh, ref_dw, raw = reference(h, w, lab, cap)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = softcap_cross_entropy_sum(hh, ww, lab, cap, 64, compiled=True)
+    loss.backward()
+    for t in (loss, hh.grad, ww.grad):
+        assert torch.isfinite(t).all()
+    assert abs(loss.double() - ref_loss) / ref_loss < 1e-6
+    assert rel(hh.grad, ref_dh) < 1e-5 and rel(ww.grad, ref_dw) < 1e-5
+    if cap is not None:
+        assert (raw.abs() > 2 * cap).float().mean() > 0.2
+        uncapped = softcap_cross_entropy_sum(h, w, lab, None, 64, compiled=True)
+        assert abs(uncapped.double() - ref_loss) / ref_loss > 1e-2
+    got = {}
+    for compiled in (True, False):            # under bf16 autocast: the same bf16 logits in
+        hb, wb = h.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lb = softcap_cross_entropy_sum(hb, wb, lab, cap, 64, compiled=compiled)
+        lb.backward()
+        got[compiled] = (lb.detach(), hb.grad, wb.grad)
+    assert abs(got[True][0] - got[False][0]) / got[False][0].abs() < 1e-5
+    assert all(rel(a, b.double()) < 1e-3 for a, b in zip(got[True][1:], got[False][1:]))

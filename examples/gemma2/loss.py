@@ -27,20 +27,57 @@ def default_chunk(vocab: int) -> int:
     return max(1, CHUNK_BYTES // (4 * vocab))
 
 
-def _logits(h: torch.Tensor, w: torch.Tensor, cap: Optional[float]):
-    """Float32 logits of one slice and tanh(z / cap) (None without a cap), z = h @ W.T computed in
-    h's dtype (bf16 under autocast, as the full path's F.linear would); w is already in h's dtype."""
-    z = torch.nn.functional.linear(h, w).float()
-    if cap is None:
-        return z, None
-    t = z.div_(cap).tanh_()          # in place: one slice-sized buffer fewer
-    return t * cap, t
+def _slice_eager(z: torch.Tensor, lab: torch.Tensor, cap: Optional[float], grads: bool):
+    """One slice's loss sum (float32, 0-d) and, with grads, d(loss)/dz in z's dtype (else None).
+    z = h @ W.T [n, V] in the matmul dtype. Eager PyTorch ops, in place where they can be: at
+    most three float32 slices alive."""
+    dt = z.dtype
+    z = z.float()
+    t = None
+    if cap is not None:
+        t = z.div_(cap).tanh_()                               # in place: one buffer fewer
+        z = t * cap if grads else t.mul_(cap)                 # the gradient needs t itself
+    lse = torch.logsumexp(z, dim=1)
+    safe, valid = lab.clamp_min(0)[:, None], lab != IGNORE
+    part = ((lse - z.gather(1, safe)[:, 0]) * valid).sum()
+    if not grads:
+        return part, None
+    dz = z.sub_(lse[:, None]).exp_()                          # softmax = d(lse - z[label]) / dz
+    del z
+    # -1 at each label; ignored rows (label clamped to 0) get a zero row scale below, so no
+    # host sync picks the valid rows out
+    dz.scatter_add_(1, safe, dz.new_full((dz.shape[0], 1), -1.0))
+    scale = valid.float()[:, None]
+    out = torch.empty(dz.shape, dtype=dt, device=dz.device)
+    if t is None:
+        return part, torch.mul(dz, scale, out=out)            # scaled and cast in one pass
+    t.square_().sub_(1.0).mul_(scale.neg_())                  # through cap * tanh(x / cap):
+    return part, torch.mul(dz, t, out=out)                    # (1 - t^2) * scale
 
 
-def _capped_logits(h: torch.Tensor, w: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
-    """_logits' first value alone, capped in place (the forward needs no tanh for later)."""
-    z = torch.nn.functional.linear(h, w).float()
-    return z if cap is None else z.div_(cap).tanh_().mul_(cap)
+def _slice_fused(z: torch.Tensor, lab: torch.Tensor, cap: Optional[float], grads: bool):
+    """_slice_eager's math written for inductor, which fuses it into a few kernels that read z
+    in its own dtype and write dz once, with no float32 slice in memory (torch.compile'd below;
+    eager it would hold several float32 slices)."""
+    zf = z.float()
+    t = torch.tanh(zf / cap) if cap is not None else None
+    zc = zf if t is None else t * cap
+    lse = torch.logsumexp(zc, dim=1)
+    safe, valid = lab.clamp_min(0), lab != IGNORE
+    hit = torch.arange(zc.shape[1], device=zc.device)[None, :] == safe[:, None]
+    part = ((lse - torch.where(hit, zc, 0.0).sum(dim=1)) * valid).sum()
+    if not grads:
+        return part, None
+    dz = (torch.exp(zc - lse[:, None]) - hit.float()) * valid.float()[:, None]
+    if t is not None:
+        dz = dz * (1.0 - t * t)
+    return part, dz.to(z.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _slice_compiled():
+    """_slice_fused under torch.compile, made on first use (importing the compiler is not free)."""
+    return torch.compile(_slice_fused)
 
 
 def _slices(n: int, chunk: int):
@@ -76,48 +113,28 @@ def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 class _SoftcapCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, labels, cap, chunk, need_dh, need_dw):
+    def forward(ctx, h, w, labels, cap, chunk, need_dh, need_dw, compiled):
         # the dtypes are the Function's own (h's for the matmuls, float32 sums and dW), with or
         # without an autocast region around the call, which would recast the float32 GEMM
         with torch.autocast(h.device.type, enabled=False):
-            return _SoftcapCE._forward(ctx, h, w, labels, cap, chunk, need_dh, need_dw)
+            return _SoftcapCE._forward(ctx, h, w, labels, cap, chunk, need_dh, need_dw, compiled)
 
     @staticmethod
-    def _forward(ctx, h, w, labels, cap, chunk, need_dh, need_dw):
+    def _forward(ctx, h, w, labels, cap, chunk, need_dh, need_dw, compiled):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         wh = w.to(h.dtype)                  # h's dtype (the autocast dtype): once, not per slice
         dh = torch.empty_like(h) if need_dh else None
         dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_dw else None
+        one_slice = _slice_compiled() if compiled else _slice_eager
         for s, e in _slices(h.shape[0], chunk):
-            lab = labels[s:e]
-            valid = lab != IGNORE
-            if dh is None and dw is None:
-                z, t = _capped_logits(h[s:e], wh, cap), None
-            else:
-                z, t = _logits(h[s:e], wh, cap)
-            lse = torch.logsumexp(z, dim=1)
-            picked = z.gather(1, lab.clamp_min(0)[:, None])[:, 0]
-            total += ((lse - picked) * valid).sum()
-            if dh is None and dw is None:
-                continue
-            dz = z.sub_(lse[:, None]).exp_()                  # softmax = d(lse - z[label]) / dz
-            del z
-            # -1 at each label; ignored rows (label clamped to 0) get a zero row scale below, so
-            # no host sync picks the valid rows out
-            dz.scatter_add_(1, lab.clamp_min(0)[:, None], dz.new_full((e - s, 1), -1.0))
-            scale = valid.float()[:, None]
-            dzh = torch.empty(dz.shape, dtype=h.dtype, device=dz.device)
-            if t is None:
-                torch.mul(dz, scale, out=dzh)                 # scaled and cast in one pass
-            else:                                             # through cap * tanh(x / cap):
-                t.square_().sub_(1.0).mul_(scale.neg_())      # (1 - t^2) * scale, in t's buffer
-                torch.mul(dz, t, out=dzh)
-                del t
-            del dz
+            # the logits go straight in, unnamed here: the eager slice drops them once widened
+            part, dz = one_slice(torch.nn.functional.linear(h[s:e], wh), labels[s:e], cap,
+                                 need_dh or need_dw)
+            total += part
             if dh is not None:
-                dh[s:e] = dzh @ wh
+                dh[s:e] = dz @ wh
             if dw is not None:
-                _add_mm(dw, dzh.t(), h[s:e])
+                _add_mm(dw, dz.t(), h[s:e])
         ctx.save_for_backward(*(x for x in (dh, dw) if x is not None))
         ctx.kept, ctx.used = (dh is not None, dw is not None), False
         return total
@@ -140,15 +157,19 @@ class _SoftcapCE(torch.autograd.Function):
         dw = next(kept) if ctx.kept[1] else None
         g = grad_total.float()          # in place: the buffers are this loss's alone
         return (None if dh is None else dh.mul_(g), None if dw is None else dw.mul_(g),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def softcap_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                              cap: Optional[float], chunk: Optional[int] = None) -> torch.Tensor:
+                              cap: Optional[float], chunk: Optional[int] = None,
+                              compiled: bool = False) -> torch.Tensor:
     """Sum over labels != -100 of cross-entropy(cap * tanh(hidden @ weight.T / cap), labels), float32.
 
     hidden [..., H], weight [V, H] (the tied embedding), labels [...] (same leading shape).
     cap None: plain logits. chunk: tokens per slice (default: 256 MiB of float32 logits).
+    compiled: each slice's elementwise work (cap, log-sum-exp, softmax gradient) as kernels
+    torch.compile fuses (needs a working inductor backend; compiled at the first call and again
+    for a last slice of another length) instead of eager in-place ops.
 
     With grad mode on, the gradients of the inputs that require them are computed here, in the
     forward, and kept until the backward: a float32 [V, H] dW (2.4 GB at Gemma2's vocabulary)
@@ -168,7 +189,8 @@ def softcap_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels
         hidden = hidden.to(dt)
     grads = torch.is_grad_enabled()
     return _SoftcapCE.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
-                            cap, chunk, grads and hidden.requires_grad, grads and weight.requires_grad)
+                            cap, chunk, grads and hidden.requires_grad, grads and weight.requires_grad,
+                            compiled)
 
 
 def autocast_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
