@@ -183,7 +183,8 @@ def test_under_autocast_the_matmuls_run_in_its_dtype_forward_and_backward(device
     assert abs(uncapped.double().cpu() - ref_loss) / ref_loss > 1e-1
 
 
-def test_under_autocast_the_peak_is_the_memory_plans_loss_row():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_under_autocast_the_peak_is_the_memory_plans_loss_row(compiled):
     """bf16 autocast on CPU, Gemma2-like ratio of vocabulary to hidden size: the loss's peak
     above its inputs stays within 5 % of what the memory plan counts for it (three slices of
     float32 logits, the float32 embedding gradient, one bf16 copy of the embedding): no
@@ -198,7 +199,7 @@ def test_under_autocast_the_peak_is_the_memory_plans_loss_row():
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = softcap_cross_entropy_sum(h, w, lab, 30.0, chunk)
+            loss = softcap_cross_entropy_sum(h, w, lab, 30.0, chunk, compiled=compiled)
         loss.backward()
 
     step()                                   # w.grad exists before the measured call, as in training

@@ -48,17 +48,17 @@ def _slice_eager(z: torch.Tensor, lab: torch.Tensor, cap: Optional[float], grads
     # host sync picks the valid rows out
     dz.scatter_add_(1, safe, dz.new_full((dz.shape[0], 1), -1.0))
     scale = valid.float()[:, None]
-    out = torch.empty(dz.shape, dtype=dt, device=dz.device)
     if t is None:
-        return part, torch.mul(dz, scale, out=out)            # scaled and cast in one pass
+        return part, dz.mul_(scale).to(dt)
     t.square_().sub_(1.0).mul_(scale.neg_())                  # through cap * tanh(x / cap):
-    return part, torch.mul(dz, t, out=out)                    # (1 - t^2) * scale
+    return part, dz.mul_(t).to(dt)                            # (1 - t^2) * scale
 
 
 def _slice_fused(z: torch.Tensor, lab: torch.Tensor, cap: Optional[float], grads: bool):
     """_slice_eager's math written for inductor, which fuses it into a few kernels that read z
-    in its own dtype and write dz once, with no float32 slice in memory (torch.compile'd below;
-    eager it would hold several float32 slices)."""
+    in its own dtype and write dz once (torch.compile'd below; run eagerly it would hold several
+    float32 slices). Labels must be -100 or in [0, V): unlike the eager gather, nothing here
+    checks the range."""
     zf = z.float()
     t = torch.tanh(zf / cap) if cap is not None else None
     zc = zf if t is None else t * cap
@@ -74,10 +74,17 @@ def _slice_fused(z: torch.Tensor, lab: torch.Tensor, cap: Optional[float], grads
     return part, dz.to(z.dtype)
 
 
-@functools.lru_cache(maxsize=None)
+_COMPILED = []
+
+
 def _slice_compiled():
-    """_slice_fused under torch.compile, made on first use (importing the compiler is not free)."""
-    return torch.compile(_slice_fused)
+    """_slice_fused under torch.compile, made on first use (importing the compiler is not free).
+    dynamic=True: one graph serves every slice length and cap, so a shorter last slice or a
+    second model does not use up dynamo's recompile limit (past it, dynamo would silently run
+    the function uncompiled, holding more memory than _slice_eager)."""
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(_slice_fused, dynamic=True))
+    return _COMPILED[0]
 
 
 def _slices(n: int, chunk: int):
@@ -135,6 +142,7 @@ class _SoftcapCE(torch.autograd.Function):
                 dh[s:e] = dz @ wh
             if dw is not None:
                 _add_mm(dw, dz.t(), h[s:e])
+            del part, dz                # before the next slice's logits exist
         ctx.save_for_backward(*(x for x in (dh, dw) if x is not None))
         ctx.kept, ctx.used = (dh is not None, dw is not None), False
         return total
@@ -168,8 +176,8 @@ def softcap_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels
     hidden [..., H], weight [V, H] (the tied embedding), labels [...] (same leading shape).
     cap None: plain logits. chunk: tokens per slice (default: 256 MiB of float32 logits).
     compiled: each slice's elementwise work (cap, log-sum-exp, softmax gradient) as kernels
-    torch.compile fuses (needs a working inductor backend; compiled at the first call and again
-    for a last slice of another length) instead of eager in-place ops.
+    torch.compile fuses (needs a working inductor backend; compiled once, at the first call, for
+    every slice length) instead of eager in-place ops.
 
     With grad mode on, the gradients of the inputs that require them are computed here, in the
     forward, and kept until the backward: a float32 [V, H] dW (2.4 GB at Gemma2's vocabulary)
