@@ -212,30 +212,33 @@ def test_under_autocast_the_peak_is_the_memory_plans_loss_row(compiled):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("cap", [30.0, None])
-def test_compiled_slices_equal_the_float64_reference(cap):
-    """compiled=True runs each slice's elementwise work as inductor's fused kernels (here its CPU
-    backend): the same loss and gradients as the float64 full-logits reference with a
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_compiled_slices_equal_the_float64_reference(cap, device):
+    """compiled=True runs each slice's elementwise work as inductor's fused kernels (C++ on CPU,
+    Triton on CUDA): the same loss and gradients as the float64 full-logits reference with a
     saturating cap, ignored labels and a last slice of another length; under bf16 autocast it
     agrees with the eager slices (the same bf16 logits, float32 math); a dropped cap is caught."""
     h, w, lab = inputs(n=150, vocab=300)
     ref_loss, ref_dh, ref_dw, raw = reference(h, w, lab, cap)
+    h, w, lab = h.to(device), w.to(device), lab.to(device)
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     loss = softcap_cross_entropy_sum(hh, ww, lab, cap, 64, compiled=True)
     loss.backward()
     for t in (loss, hh.grad, ww.grad):
         assert torch.isfinite(t).all()
-    assert abs(loss.double() - ref_loss) / ref_loss < 1e-6
-    assert rel(hh.grad, ref_dh) < 1e-5 and rel(ww.grad, ref_dw) < 1e-5
+    assert abs(loss.double().cpu() - ref_loss) / ref_loss < 1e-6
+    assert rel(hh.grad.cpu(), ref_dh) < 1e-5 and rel(ww.grad.cpu(), ref_dw) < 1e-5
     if cap is not None:
         assert (raw.abs() > 2 * cap).float().mean() > 0.2
         uncapped = softcap_cross_entropy_sum(h, w, lab, None, 64, compiled=True)
-        assert abs(uncapped.double() - ref_loss) / ref_loss > 1e-2
+        assert abs(uncapped.double().cpu() - ref_loss) / ref_loss > 1e-2
     got = {}
     for compiled in (True, False):            # under bf16 autocast: the same bf16 logits in
         hb, wb = h.clone().requires_grad_(), w.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             lb = softcap_cross_entropy_sum(hb, wb, lab, cap, 64, compiled=compiled)
         lb.backward()
         got[compiled] = (lb.detach(), hb.grad, wb.grad)
     assert abs(got[True][0] - got[False][0]) / got[False][0].abs() < 1e-5
-    assert all(rel(a, b.double()) < 1e-3 for a, b in zip(got[True][1:], got[False][1:]))
+    assert all(rel(a.cpu(), b.double().cpu()) < 1e-3 for a, b in zip(got[True][1:], got[False][1:]))
