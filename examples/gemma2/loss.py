@@ -143,8 +143,8 @@ class _SoftcapCE(torch.autograd.Function):
             if dw is not None:
                 _add_mm(dw, dz.t(), h[s:e])
             del part, dz                # before the next slice's logits exist
-        ctx.save_for_backward(*(x for x in (dh, dw) if x is not None))
-        ctx.kept, ctx.used = (dh is not None, dw is not None), False
+        ctx.save_for_backward(dh, dw)      # either may be None
+        ctx.used = False
         return total
 
     @staticmethod
@@ -160,9 +160,7 @@ class _SoftcapCE(torch.autograd.Function):
                 "its gradients were kept from the forward and scaled in place by the first: "
                 "compute the loss again for each backward")
         ctx.used = True
-        kept = iter(ctx.saved_tensors)
-        dh = next(kept) if ctx.kept[0] else None
-        dw = next(kept) if ctx.kept[1] else None
+        dh, dw = ctx.saved_tensors
         g = grad_total.float()          # in place: the buffers are this loss's alone
         return (None if dh is None else dh.mul_(g), None if dw is None else dw.mul_(g),
                 None, None, None, None, None, None)
