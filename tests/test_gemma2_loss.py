@@ -9,12 +9,27 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from gemma2.loss import softcap_cross_entropy_sum  # noqa: E402
 from gemma2.measure import peak_bytes  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
+
+
+class Matmuls(TorchDispatchMode):
+    """Records the operand dtypes of every mm/addmm (the backward's too, unlike a function mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            mats = args[:2] if func.overloadpacket is torch.ops.aten.mm else args[1:3]
+            self.seen.append(tuple(a.dtype for a in mats))
+        return func(*args, **(kwargs or {}))
 
 
 def inputs(n=300, hidden=32, vocab=500, scale=100.0, seed=0):
@@ -72,30 +87,20 @@ def test_gradients_follow_the_incoming_gradient_and_only_what_needs_them():
     (a mean, a gradient-accumulation factor); a frozen embedding gets no dW matmul, no grad mode
     none at all; a second backward through one loss, or a double backward, fails instead of
     giving a wrong gradient."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     h, w, lab = inputs()
     ref_loss, ref_dh, ref_dw, _ = reference(h, w, lab, 30.0)
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     (softcap_cross_entropy_sum(hh, ww, lab, 30.0, 64) * 0.25).backward()
     assert rel(hh.grad * 4, ref_dh) < 1e-5 and rel(ww.grad * 4, ref_dw) < 1e-5
 
-    calls = []
-
-    class Matmuls(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
-                calls.append(func.overloadpacket)
-            return func(*args, **(kwargs or {}))
-
     hh = h.clone().requires_grad_()
-    with Matmuls():
+    with Matmuls() as mm:
         loss = softcap_cross_entropy_sum(hh, w, lab, 30.0, 64)     # w frozen: logits and dh
     loss.backward()
-    assert len(calls) == 2 * 5 and rel(hh.grad, ref_dh) < 1e-5
-    calls.clear()
-    with Matmuls(), torch.no_grad():
+    assert len(mm.seen) == 2 * 5 and rel(hh.grad, ref_dh) < 1e-5
+    with Matmuls() as mm, torch.no_grad():
         loss = softcap_cross_entropy_sum(h.requires_grad_(), w.requires_grad_(), lab, 30.0, 64)
-    assert len(calls) == 5 and abs(loss.double() - ref_loss) / ref_loss < 1e-6    # logits only
+    assert len(mm.seen) == 5 and abs(loss.double() - ref_loss) / ref_loss < 1e-6    # logits only
 
     hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     loss = softcap_cross_entropy_sum(hh, ww, lab, 30.0, 64)
@@ -152,28 +157,18 @@ def test_under_autocast_the_matmuls_run_in_its_dtype_forward_and_backward(device
     with backward called inside the region; the result stays within bf16 rounding of the float64
     reference with a saturating cap, the gradients come back in the parameters' float32, and
     dropping the cap is caught."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    seen = []
-
-    class Matmuls(TorchDispatchMode):      # sees the backward's ops too, unlike a function mode
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
-                mats = args[:2] if func.overloadpacket is torch.ops.aten.mm else args[1:3]
-                seen.append(tuple(a.dtype for a in mats))
-            return func(*args, **(kwargs or {}))
-
     h, w, lab = inputs()
     ref_loss, ref_dh, ref_dw, _ = reference(h, w, lab, 30.0)
     h, w = h.to(device).requires_grad_(), w.to(device).requires_grad_()
     lab = lab.to(device)
-    with Matmuls():
+    with Matmuls() as mm:
         with torch.autocast(device, dtype=torch.bfloat16):
             loss = softcap_cross_entropy_sum(h, w, lab, 30.0, 64)
             loss.backward()                # inside the region: the Function's dtypes still hold
     # logits and dh in bf16 (5 slices each), no logits recomputed in backward; CPU's dW matmul
     # takes float32 operands (no 16-bit matmul with a float32 output there)
     bf16 = 3 * 5 if device == "cuda" else 2 * 5
-    assert seen.count((torch.bfloat16, torch.bfloat16)) == bf16 and len(seen) == 3 * 5, seen
+    assert mm.seen.count((torch.bfloat16, torch.bfloat16)) == bf16 and len(mm.seen) == 3 * 5, mm.seen
     assert loss.dtype == h.grad.dtype == w.grad.dtype == torch.float32
     assert all(torch.isfinite(t).all() for t in (loss, h.grad, w.grad))
     assert abs(loss.double().cpu() - ref_loss) / ref_loss < 1e-2
