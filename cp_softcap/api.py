@@ -19,12 +19,19 @@ from .cp.a2a_p2p import A2AP2PAttention
 from .cp.all_gather import AllGatherAttention
 from .cp.guard import autocast_off
 from .cp.ring import RingAttention
+from .compiled import compiled_attention, group_names
 from .export import export_attention
 from .packed_local import (packed_attention, save_for_local_backward, saved_for_local_backward,
                            second_order_safe)
-from .plan import Backend, Plan, check_group, local_plan_for, plan_for
+from .plan import Backend, Plan, check_group, is_exporting, local_plan_for, plan_for
 from .selector import check_backend
 from .spec import check_comm, normalize_softcap, normalize_window
+
+def compiling() -> bool:
+    """True while torch.compile traces the caller (not torch.export / ONNX export, which trace
+    the plain-ops math of export.py): the call then goes through compiled.py's operators."""
+    return torch.compiler.is_compiling() and not is_exporting()
+
 
 ALGORITHMS = {"ring": RingAttention, "all_gather": AllGatherAttention, "a2a": A2AAttention,
               "a2a+p2p": A2AP2PAttention}
@@ -58,7 +65,8 @@ class _LocalAttention(torch.autograd.Function):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: Optional[float] = None,
               causal: bool = True, window=None, scale: Optional[float] = None,
-              backend: Backend = "auto", return_lse: bool = False, cu_seqlens=None
+              backend: Backend = "auto", return_lse: bool = False, cu_seqlens=None,
+              sinks: Optional[torch.Tensor] = None
               ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Softcapped attention on one device.
 
@@ -78,7 +86,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: Opt
     both lie in the same document and the causal/window rule holds (positions within the stream;
     a window therefore never crosses a document). Tokens past T_docs are padding: out 0, LSE
     -inf, zero gradients. One document over the whole stream is the unpacked call.
+
+    sinks (attention sinks, gpt-oss's `s_aux`): None, or a floating tensor [Hq] on q's device,
+    one finite learned logit per query head that joins every row's softmax denominator and
+    attends to nothing: out' = out * sigmoid(lse - sink), lse' = logaddexp(lse, sink) (not
+    scaled or softcapped; a row that sees no key gets out 0, lse = sink). Differentiable in
+    sinks too. Inside torch.compile a call with sinks runs eagerly (a graph break).
     """
+    if sinks is not None:       # attention sinks: sinks.py, run by packed_local.py
+        from .packed_local import attention_with_sinks
+        return attention_with_sinks(q, k, v, sinks, softcap=softcap, causal=causal, window=window,
+                                    scale=scale, backend=backend, return_lse=return_lse,
+                                    cu_seqlens=cu_seqlens)
+    if compiling():
+        out, lse = compiled_attention(q, k, v, group_names_="", comm="ring", backend=backend,
+                                      softcap=softcap, causal=causal, window=window, scale=scale,
+                                      cu_seqlens=cu_seqlens, one_device=True)
+        return (out, lse) if return_lse else out
     plan = local_plan_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
                           backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens)
     out, lse = _run_one_device(q, k, v, plan)
@@ -107,7 +131,7 @@ def _warn_if_several_ranks() -> None:
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
                  softcap: Optional[float] = None, causal: bool = True, window=None,
                  scale: Optional[float] = None, comm: str = "ring", backend: Backend = "auto",
-                 cu_seqlens=None) -> torch.Tensor:
+                 cu_seqlens=None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Context-parallel attention on this rank's shards.
 
     q [B, S/cp, Hq, D], k/v [B, S/cp, Hkv, D]: the local shards in the zigzag layout
@@ -133,7 +157,26 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, 
     Raises ValueError (TypeError for non-integers) on EVERY rank, naming the rank, when the
     boundaries are not increasing, do not start at 0, end past the stream, differ between
     ranks, or do not match the local shard length.
+
+    sinks: None or a floating tensor [Hq] of per-head attention-sink logits, as for
+    cps.attention; under CP the sink joins each query's softmax once, after the merge of every
+    chunk. Its gradient on each rank is the sum over THAT rank's query rows (every comm type),
+    so the usual gradient reduction across the CP/data-parallel ranks (a sum, as for every
+    other parameter) gives the full gradient. The ranks compare the sinks' presence, not values.
     """
+    if sinks is not None:       # attention sinks: cp/sinks.py
+        from .cp.sinks import cp_attention_with_sinks
+        if group is None:
+            _warn_if_several_ranks()
+        return cp_attention_with_sinks(q, k, v, group, sinks, softcap=softcap, causal=causal,
+                                       window=window, scale=scale, comm=comm, backend=backend,
+                                       cu_seqlens=cu_seqlens)
+    if compiling():
+        out, _ = compiled_attention(q, k, v, group_names_=group_names(group, comm), comm=comm,
+                                    backend=backend, softcap=softcap, causal=causal,
+                                    window=window, scale=scale, cu_seqlens=cu_seqlens,
+                                    one_device=False)
+        return out
     if group is None:
         _warn_if_several_ranks()
     plan = plan_for(q, k, v, group, softcap=softcap, causal=causal, window=window, scale=scale,
@@ -147,10 +190,12 @@ class CPAttention(torch.nn.Module):
     """Parameter-free attention layer for model code: `CPAttention(cp_group, softcap=50.0)`
     (causal by default).
 
-    forward(q, k, v, cu_seqlens=None) takes the local shards [B, S/cp, H, D] (GQA allowed) and
-    returns the local output shard [B, S/cp, Hq, Dv]; cu_seqlens: the global document
-    boundaries of a packed stream (shards from sharding.shard(..., cu_seqlens=)). See
-    cp_attention for the layout contract and the errors.
+    forward(q, k, v, cu_seqlens=None, sinks=None) takes the local shards [B, S/cp, H, D] (GQA
+    allowed) and returns the local output shard [B, S/cp, Hq, Dv]; cu_seqlens: the global
+    document boundaries of a packed stream (shards from sharding.shard(..., cu_seqlens=));
+    sinks: the model's learned attention-sink logits [Hq] (a parameter of the model, passed at
+    call time; each rank's gradient is the sum over its own rows). See cp_attention for the
+    layout contract and the errors.
     """
 
     def __init__(self, cp_group=None, softcap: Optional[float] = None, *, causal: bool = True,
@@ -166,7 +211,7 @@ class CPAttention(torch.nn.Module):
         self.comm, self.backend = comm, backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cu_seqlens=None) -> torch.Tensor:
+                cu_seqlens=None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         return cp_attention(q, k, v, self.cp_group, softcap=self.softcap, causal=self.causal,
                             window=self.window, scale=self.scale, comm=self.comm,
-                            backend=self.backend, cu_seqlens=cu_seqlens)
+                            backend=self.backend, cu_seqlens=cu_seqlens, sinks=sinks)

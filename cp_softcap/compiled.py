@@ -1,0 +1,247 @@
+"""Attention inside `torch.compile`: the call as two custom operators the compiler treats as
+opaque, so a block holding CPAttention compiles whole (`fullgraph=True` included) and the
+library's Python (plan, cross-rank check, collectives, kernel calls) runs eagerly inside them.
+
+    cp_softcap::attention           (q, k, v, options...) -> (out, lse, handle)
+    cp_softcap::attention_backward  (handle, dout, dlse, shapes) -> (dq, dk, dv)
+
+The forward operator runs the very call an eager model makes (api.cp_attention or
+api.attention, the same autograd.Function and kernels: compiled and eager results are bitwise
+equal) on inputs of its own, and keeps that call's autograd graph under an integer handle; the
+backward operator runs the graph's backward. The handle is a 0-d int64 CPU tensor: the compiler
+saves it for the backward like any activation, so activation checkpointing (eager
+torch.utils.checkpoint around a compiled block, or checkpointing inside it) discards and
+recomputes it like the rest. A graph whose handle is gone (its backward ran, or the saved
+activations were dropped) is freed at the next attention call.
+
+The inputs are copied into the operator: the compiler reuses the memory of tensors it
+considers dead after their last use in the graph, and the kept graph would otherwise hold
+views of memory overwritten before its backward. The copy is what eager autograd saves anyway
+(the compiled graph no longer needs q, k, v for this backward), so memory is the same.
+
+Everything the compiler sees as an argument is a tensor, an int, a float, a bool or a string:
+the process group travels by its registered name (as torch's functional collectives pass it),
+a backend Kernel instance by a registered key, packed boundaries as a tensor. What recompiles:
+dynamo guards on the Python values of the options (softcap, window, comm, ...), which are fixed
+per layer; boundaries given as a list (or a PackedLayout) are Python values too, so a new list
+recompiles, while a `cu_seqlens` tensor of a new length recompiles once (dynamic after that)
+and new values never do.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .documents import PackedLayout
+from .kernels.base import Kernel, grad_dtype
+
+_LIVE: Dict[int, tuple] = {}            # handle -> (weak ref to the handle's storage, graph)
+_NEXT = itertools.count(1)
+_LOCK = threading.Lock()
+_KERNELS: Dict[str, Kernel] = {}       # "kernel:<id>" -> a backend given as a Kernel instance
+
+
+# ----------------------------------------------------------------- what crosses the boundary
+
+def group_names(group, comm: str) -> str:
+    """The registered names of the CP group(s) as the library resolves `group`, joined by a
+    space (custom operators take no list of strings); "" for None."""
+    from .plan import resolve_groups
+    groups, cp, _ = resolve_groups(group, comm)
+    if groups[0] is None:
+        return ""
+    return " ".join(g.group_name for g in groups)
+
+
+def _groups(names: str, comm: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    if not names:
+        return None
+    groups = tuple(_resolve_process_group(n) for n in names.split(" "))
+    return groups if comm == "a2a+p2p" else groups[0]
+
+
+def backend_key(backend) -> str:
+    """A backend as a string: its name, or a key under which a Kernel instance is kept."""
+    if isinstance(backend, Kernel):
+        key = f"kernel:{id(backend)}"
+        _KERNELS[key] = backend
+        return key
+    return backend
+
+
+def _backend(key: str):
+    return _KERNELS[key] if key.startswith("kernel:") else key
+
+
+def _window(left: int, right: int, has_left: bool, has_right: bool):
+    return (left if has_left else None, right if has_right else None)
+
+
+# ----------------------------------------------------------------- the kept graphs
+
+def _sweep() -> None:
+    """Free the graphs whose handle no longer exists anywhere."""
+    with _LOCK:
+        for key in [k for k, (ref, _) in _LIVE.items() if ref.expired()]:
+            del _LIVE[key]
+
+
+def _keep(graph) -> torch.Tensor:
+    handle = torch.tensor(next(_NEXT), dtype=torch.int64)
+    with _LOCK:
+        _LIVE[int(handle)] = (StorageWeakRef(handle.untyped_storage()), graph)
+    return handle
+
+
+def _take(handle: torch.Tensor):
+    with _LOCK:
+        entry = _LIVE.pop(int(handle), None)
+    if entry is None:
+        raise RuntimeError(
+            "cp_softcap: backward through compiled attention ran twice for one forward "
+            "(retain_graph=True), or after its graph was freed; the compiled attention supports "
+            "one backward per forward, as the compiled graph around it does by default")
+    return entry[1]
+
+
+# ----------------------------------------------------------------- the operators
+
+@torch.library.custom_op("cp_softcap::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  cu_seqlens: Optional[torch.Tensor], groups: str, comm: str, backend: str,
+                  softcap: float, causal: bool, window: List[int], scale: float,
+                  flags: List[bool], layout_windows: List[int], layout_causal: bool
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flags: (q, k, v need gradients, softcap given, scale given, window left / right given,
+    one device with return_lse, boundaries form a PackedLayout)."""
+    from .api import attention, cp_attention
+    _sweep()
+    grads, (has_cap, has_scale, has_left, has_right, one_device, layout) = flags[:3], flags[3:]
+    options = dict(softcap=softcap if has_cap else None, causal=causal,
+                   window=_window(*window, has_left, has_right), scale=scale if has_scale else None,
+                   backend=_backend(backend))
+    # own copies (see the module docstring); the same values, so the same results
+    q, k, v = (t.detach().clone().requires_grad_(g) for t, g in zip((q, k, v), grads))
+    cu = None
+    if cu_seqlens is not None:
+        cu = [int(x) for x in cu_seqlens.tolist()]
+        if layout:
+            cu = _layout(cu, q.shape[1], groups, comm, layout_windows, layout_causal)
+    with torch.enable_grad():
+        if one_device:
+            out, lse = attention(q, k, v, return_lse=True, cu_seqlens=cu, **options)
+        else:
+            out = cp_attention(q, k, v, _groups(groups, comm), comm=comm, cu_seqlens=cu, **options)
+            lse = out.new_empty((0,), dtype=torch.float32)
+    if not any(grads) or not out.requires_grad:
+        return out.detach(), lse.detach(), torch.zeros((), dtype=torch.int64)
+    graph = (out, lse if one_device else None, (q, k, v))
+    return out.detach().clone(), lse.detach().clone(), _keep(graph)
+
+
+@_attention_op.register_fake
+def _(q, k, v, cu_seqlens, groups, comm, backend, softcap, causal, window, scale, flags,
+      layout_windows, layout_causal):
+    b, s, hq = q.shape[:3]
+    out = q.new_empty((b, s, hq, v.shape[-1]))
+    one_device = flags[7]
+    lse = q.new_empty((b, hq, s) if one_device else (0,), dtype=grad_dtype(q.dtype))
+    return out, lse, torch.empty((), dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("cp_softcap::attention_backward", mutates_args=())
+def _backward_op(handle: torch.Tensor, dout: torch.Tensor, dlse: Optional[torch.Tensor],
+                 shapes: List[int], grads: List[bool]) -> List[torch.Tensor]:
+    out, lse, inputs = _take(handle)
+    outputs, grad_outputs = [out], [dout.to(out.dtype)]
+    if lse is not None and dlse is not None:
+        outputs.append(lse)
+        grad_outputs.append(dlse)
+    wanted = [t for t, g in zip(inputs, grads) if g]
+    found = iter(torch.autograd.grad(outputs, wanted, grad_outputs, allow_unused=True))
+    result, seen = [], {dout.untyped_storage().data_ptr()}
+    for t, g in zip(inputs, grads):
+        d = next(found) if g else None
+        d = torch.zeros_like(t) if d is None else d
+        if d.untyped_storage().data_ptr() in seen:      # an operator's outputs may not alias
+            d = d.clone()
+        seen.add(d.untyped_storage().data_ptr())
+        result.append(d)
+    return result
+
+
+@_backward_op.register_fake
+def _(handle, dout, dlse, shapes, grads):
+    return [dout.new_empty(shapes[i * 4:(i + 1) * 4]) for i in range(3)]
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v = inputs[:3]
+    flags = inputs[11]
+    ctx.shapes = list(q.shape) + list(k.shape) + list(v.shape)
+    ctx.grads = list(flags[:3])
+    ctx.save_for_backward(output[2])
+
+
+def _backward(ctx, dout, dlse, dhandle):
+    (handle,) = ctx.saved_tensors
+    dq, dk, dv = torch.ops.cp_softcap.attention_backward(handle, dout, dlse, ctx.shapes, ctx.grads)
+    return (dq, dk, dv) + (None,) * 11
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------- entry points
+
+def compiled_attention(q, k, v, *, group_names_: str, comm: str, backend, softcap, causal,
+                       window, scale, cu_seqlens, one_device: bool):
+    """(out, lse) through the operators; lse is empty for a CP call. Called while dynamo traces."""
+    grad = torch.is_grad_enabled()
+    grads = [grad and t.requires_grad for t in (q, k, v)]
+    left, right = window if window is not None else (None, None)
+    cu, layout, lw, lc = _boundaries(cu_seqlens)
+    flags = grads + [softcap is not None, scale is not None, left is not None, right is not None,
+                     one_device, layout]
+    out, lse, _ = torch.ops.cp_softcap.attention(
+        q, k, v, cu, group_names_, comm, backend_key(backend),
+        0.0 if softcap is None else float(softcap), bool(causal),
+        [0 if left is None else int(left), 0 if right is None else int(right)],
+        0.0 if scale is None else float(scale), flags, lw, lc)
+    return out, lse
+
+
+def _boundaries(cu_seqlens):
+    """(boundaries tensor or None, from a PackedLayout, its windows flattened, its causal)."""
+    if cu_seqlens is None:
+        return None, False, [], True
+    if isinstance(cu_seqlens, PackedLayout):
+        flat = [x for w in cu_seqlens.windows for x in _flat_window(w)]
+        return torch.tensor(cu_seqlens.cu_seqlens, dtype=torch.int64), True, flat, True
+    if isinstance(cu_seqlens, torch.Tensor):
+        return cu_seqlens, False, [], True
+    return torch.tensor(list(cu_seqlens), dtype=torch.int64), False, [], True
+
+
+_NONE = -(1 << 62)
+
+
+def _flat_window(w) -> Tuple[int, int]:
+    return tuple(_NONE if x is None else int(x) for x in w)
+
+
+def _layout(cu: List[int], local_len: int, groups: str, comm: str, flat: List[int],
+            causal: bool) -> PackedLayout:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    from .documents import packed_layout
+    cp = 1
+    for name in groups.split(" "):
+        cp *= dist.get_world_size(_resolve_process_group(name))
+    windows = [tuple(None if x == _NONE else x for x in flat[i:i + 2]) for i in range(0, len(flat), 2)]
+    return packed_layout(cu, local_len * cp, cp, causal=causal, layer_windows=windows)
