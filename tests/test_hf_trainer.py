@@ -155,3 +155,42 @@ def test_refuses_model_not_routed_through_cp_softcap():
         check_cp_model(model)
     model.set_attn_implementation("cp_softcap")
     check_cp_model(model)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_neftune_bound_takes_the_global_length(cp):
+    """NEFTune's noise bound on a CP rank equals HF's one-process bound for the same batch:
+    zigzag rows (cp x the shard) and a packed stream of 19 tokens (the layout's end padding not
+    counted); HF's own hook on the shard would use the shard's length."""
+    from transformers.integrations.neftune import neftune_post_forward_hook
+
+    from cp_softcap.integrations.hf_trainer import global_seq_len, neftune_global_hook
+
+    def bound(hook, out, **kw):
+        emb = torch.nn.Module()
+        emb.neftune_noise_alpha = 5.0
+        seen = []
+        original = torch.Tensor.uniform_
+        torch.Tensor.uniform_ = lambda t, a, b: seen.append(float(b)) or original(t, a, b)
+        try:
+            hook(emb, None, out, **kw)
+        finally:
+            torch.Tensor.uniform_ = original
+        return seen[0]
+
+    d = 8
+    packed = {"input_ids": torch.arange(19)[None],
+              "position_ids": torch.tensor([list(range(7)) + list(range(12))])}
+    for full in (batch(), packed):
+        length = full["input_ids"].size(1)
+        one_process = bound(neftune_post_forward_hook, torch.zeros(1, length, d))
+        for r in range(cp):
+            part = shard_batch(full, cp, r)
+            assert global_seq_len(part, cp) == length
+            out = torch.zeros(1, part["input_ids"].size(1), d)
+            assert bound(neftune_global_hook, out, alpha=5.0, seq_len=global_seq_len(part, cp)) == one_process
+            if cp > 1:          # control: the shard's own length, as HF's hook takes it
+                per_shard = bound(neftune_post_forward_hook, out)
+                assert per_shard > 1.05 * one_process
+                if full is not packed:
+                    assert per_shard == pytest.approx(cp ** 0.5 * one_process, rel=1e-6)

@@ -9,7 +9,9 @@ Each case writes OUT_DIR/<name>.json (per logged step: loss, grad norm, TRL's me
 num_input_tokens_seen; eval metrics) and OUT_DIR/<name>.pt (final weights). The reference runs
 one process with per-device batch dp x the CP run's, so a step sees the same global batch; the
 data order is sequential except in the `odd` cases, which shuffle (Trainer's seeded sampler) a
-dataset whose size the batch does not divide, for one epoch. Its attention is cp_softcap on one
+dataset whose size the batch does not divide, for one epoch. The NEFTune case writes
+OUT_DIR/[ref_]neftune.json: the bound of every NEFTune noise draw in training (per rank in the CP
+run, and with Trainer's own per-shard hook as the control). Its attention is cp_softcap on one
 device (packed batches need per-document attention; tests/test_hf_packed.py checks it against
 eager per document).
 """
@@ -19,6 +21,7 @@ import json
 import os
 import sys
 import tempfile
+from contextlib import contextmanager
 
 import torch
 import transformers
@@ -37,6 +40,7 @@ CASES = {
     "padfree_completion_odd": (1, 4, "a2a", "pc", {"padding_free": True}),
 }
 PER_DEVICE, GA, STEPS = 2, 2, 3
+NEFTUNE_CASE, NEFTUNE_ALPHA = "packed_assistant", 5.0     # dp 1 x cp 4: the reference's batches
 
 
 def model():
@@ -110,6 +114,27 @@ def plain_data():
             HW.example.text_rows(7, 32, seed=1, packed=True))
 
 
+@contextmanager
+def noise_bounds():
+    """The bound b of every uniform_(-b, b) draw while it is open (NEFTune's noise is the only
+    one in these training steps), as Python floats of the value passed."""
+    seen, original = [], torch.Tensor.uniform_
+
+    def recording(self, a=0.0, b=1.0, *rest, **kw):
+        if float(a) == -float(b):
+            seen.append(float(b))
+        return original(self, a, b, *rest, **kw)
+    torch.Tensor.uniform_ = recording
+    try:
+        yield seen
+    finally:
+        torch.Tensor.uniform_ = original
+
+
+def neftune_args(tmp: str):
+    return sft_args(tmp, 1, NEFTUNE_CASE, neftune_noise_alpha=NEFTUNE_ALPHA)
+
+
 def reference(out_dir: str) -> None:
     from trl import SFTTrainer
     torch.set_num_threads(1)
@@ -125,6 +150,12 @@ def reference(out_dir: str) -> None:
                                        train_dataset=train, eval_dataset=evaluation)
         trainer.train()
         record(trainer, out_dir, "ref_cptrainer_odd")
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = sft(SFTTrainer, model(), neftune_args(tmp), NEFTUNE_CASE)
+        with noise_bounds() as bounds:
+            trainer.train()
+    with open(os.path.join(out_dir, "ref_neftune.json"), "w") as f:
+        json.dump({"bounds": bounds}, f)
 
 
 def drop_boundaries(collator):
@@ -168,6 +199,7 @@ def cp_runs(out_dir: str) -> None:
         record(trainer, out_dir, "cptrainer_odd")
     resumed(out_dir, meshes[2])
     refusals(out_dir, meshes[2])
+    neftune(out_dir, meshes[CASES[NEFTUNE_CASE][1]])
     example.main(["--steps", "2"])           # the example as README runs it (dp 2 x cp 2, ring, packed)
 
 
@@ -180,6 +212,30 @@ def resumed(out_dir: str, mesh) -> None:
     trainer = sft(CPSFTTrainer, model(), sft_args(ckpt, 1, case), case, cp_mesh=mesh)
     trainer.train(resume_from_checkpoint=os.path.join(ckpt, "checkpoint-2"))
     record(trainer, out_dir, case + "_resumed")
+
+
+def neftune(out_dir: str, mesh) -> None:
+    """NEFTune at dp 1 x cp 4: the noise bounds each rank draws with, through CPSFTTrainer.train
+    and (the control, the behaviour before the fix) through Trainer.train with HF's own hook,
+    which takes the shard's length; gathered to rank 0."""
+    import torch.distributed as dist
+
+    from cp_softcap.integrations.hf_trainer import CPTrainerMixin
+    from cp_softcap.integrations.trl_sft import CPSFTTrainer
+    comm = CASES[NEFTUNE_CASE][2]
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, train in (("cp", lambda t: t.train()),
+                            ("per_shard", lambda t: super(CPTrainerMixin, t).train())):
+            trainer = sft(CPSFTTrainer, model(), neftune_args(tmp), NEFTUNE_CASE, cp_mesh=mesh, cp_comm=comm)
+            with noise_bounds() as bounds:
+                train(trainer)
+            assert trainer.neftune_noise_alpha == NEFTUNE_ALPHA      # restored after train()
+            runs[name] = [None] * dist.get_world_size()
+            dist.all_gather_object(runs[name], bounds)
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, "neftune.json"), "w") as f:
+            json.dump(runs, f)
 
 
 def refusals(out_dir: str, mesh) -> None:

@@ -103,3 +103,22 @@ def _initial_weights():
     sys.path.insert(0, os.path.dirname(WORKERS))
     import hf_trainer_workers as W
     return W.model("eager").state_dict()
+
+
+@pytest.mark.timeout(300)
+def test_neftune_noise_has_the_one_process_bound(runs):
+    """neftune_noise_alpha at dp 1 x cp 4: every rank bounds its uniform embedding noise by
+    alpha / sqrt(L * d) with L the batch's global length, the bound one process draws with for the
+    same batches (bit for bit); the control, Trainer's own hook on the shard, is about sqrt(cp)
+    too large."""
+    _, out = runs
+    with open(os.path.join(out, "ref_neftune.json")) as f:
+        ref = json.load(f)["bounds"]
+    with open(os.path.join(out, "neftune.json")) as f:
+        runs_ = json.load(f)
+    assert len(ref) == 6 and len(set(ref)) > 1          # 3 steps x 2 micro-batches, lengths vary
+    assert runs_["cp"] == [ref] * 4, (runs_["cp"], ref)
+    for rank_bounds in runs_["per_shard"]:
+        assert len(rank_bounds) == len(ref)
+        ratios = [b / r for b, r in zip(rank_bounds, ref)]
+        assert all(1.5 < x < 2.0 + 1e-6 for x in ratios), ratios    # sqrt(S / shard length), cp = 4

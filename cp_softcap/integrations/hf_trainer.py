@@ -24,6 +24,11 @@ What CPTrainer changes, each through a Trainer or accelerate hook (docs/hf_train
   the gradients are summed over cp and averaged over dp, the loss equals the one-process loss.
 - evaluation: loss only (the logits are sharded); each dp group's batch loss is its token mean,
   as in a one-process evaluation with the same per-device batch size, gathered over dp only.
+- NEFTune (`neftune_noise_alpha`): HF bounds the embedding noise by alpha / sqrt(L * d) with L
+  the length of the embedding output, which under CP is the rank's shard (sqrt(cp) too much
+  noise); CPTrainer bounds it with the batch's GLOBAL length instead (the length one process
+  sees for the same batch: the packed stream without the layout's end padding, or cp x the
+  zigzag shard), so the noise has the magnitude of a one-process run.
 
 Refused with a message naming the fix: cp that does not divide the world, a model whose attention
 does not route through cp_softcap, a padding attention mask, packed documents spread over several
@@ -34,6 +39,7 @@ own CP/SP/TP, per-rank token averaging, label smoothing, a custom compute_loss_f
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Optional
 
 import torch
@@ -232,6 +238,34 @@ class CPCollator:
         return shard_batch(self.collator(features), self.cp, self.rank, self.layer_windows)
 
 
+def global_seq_len(batch: dict, cp: int) -> int:
+    """The sequence length one process sees for the batch that `batch` is a CP rank's shard of
+    (shard_batch's output): the packed stream's length without the layout's end padding, or
+    cp x the zigzag shard's length (the zigzag adds no padding)."""
+    layout = batch.get("cu_seqlens")
+    if hasattr(layout, "cu_seqlens"):
+        return int(layout.cu_seqlens[-1])
+    return batch["input_ids"].size(1) * cp
+
+
+def neftune_global_hook(module, input, output, *, alpha: float, seq_len: int):
+    """transformers' neftune_post_forward_hook with the sequence length given instead of read
+    from the (sharded) output: uniform noise in +-alpha / sqrt(seq_len * hidden), the bound
+    computed as HF computes it (float32), so it equals the one-process bound bit for bit."""
+    if module.training:
+        bound = alpha / torch.sqrt(torch.tensor(seq_len * output.size(2)))
+        output = output + torch.zeros_like(output).uniform_(-bound, bound)
+    return output
+
+
+def input_embeddings(model):
+    """The embedding module HF's activate_neftune hooks (PEFT models: the base model's)."""
+    from transformers.trainer_utils import _is_peft_model
+    if _is_peft_model(model):
+        return model.base_model.model.get_input_embeddings()
+    return model.get_input_embeddings()
+
+
 def check_cp_model(model) -> None:
     """Raise unless every attention of `model` goes through cp_softcap's registered function."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -291,6 +325,32 @@ class CPTrainerMixin:
                             "plain Trainer on one process")
         if problems:
             raise ValueError(f"CPTrainer (global rank {args.process_index}): " + "; ".join(problems))
+
+    # ---- NEFTune: noise bounded by the global sequence length, not the shard's
+    def train(self, *args, **kwargs):
+        """Trainer.train; with neftune_noise_alpha at cp > 1, Trainer's NEFTune hook (bounded by
+        the shard's length) is replaced by one per training step bounded by the global length."""
+        alpha = self.neftune_noise_alpha
+        if alpha is None or self.cp_size == 1:
+            return super().train(*args, **kwargs)
+        self._cp_neftune_alpha, self.neftune_noise_alpha = alpha, None
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.neftune_noise_alpha, self._cp_neftune_alpha = alpha, None
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        alpha = getattr(self, "_cp_neftune_alpha", None)
+        if alpha is None:
+            return super().training_step(model, inputs, *args, **kwargs)
+        # the hook lives for this step's forward and backward only (any recompute included)
+        embeddings = input_embeddings(self.accelerator.unwrap_model(model))
+        handle = embeddings.register_forward_hook(
+            partial(neftune_global_hook, alpha=alpha, seq_len=global_seq_len(inputs, self.cp_size)))
+        try:
+            return super().training_step(model, inputs, *args, **kwargs)
+        finally:
+            handle.remove()
 
     # ---- data: one batch per dp group, sharded over its CP ranks by the collator
     def get_train_dataloader(self):
