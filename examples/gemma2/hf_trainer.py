@@ -11,8 +11,8 @@ transformers' DataCollatorWithFlattening (each batch one row, documents attend o
 themselves), or with --unpacked one per row, right-padded with labels -100 (no attention mask:
 causal attention never looks at the pads). CPTrainer (cp_softcap.integrations.hf_trainer) gives
 every CP rank of a dp group the same batch and keeps its shard; the logged loss is the loss of
-the whole global batch, as on one process. Needs transformers and accelerate
-(pip install -e ".[gemma2]" accelerate), no download.
+the whole global batch, as on one process. Needs transformers >= 5 and accelerate
+(pip install -e ".[sft]"; without them it says so in one line), no download.
 """
 from __future__ import annotations
 
@@ -21,10 +21,14 @@ import os
 import sys
 import tempfile
 
-import torch
-import transformers
+if __name__ == "__main__":       # before the imports that need them: one line naming the extra
+    from extras import require   # examples/gemma2/extras.py
+    require("hf_trainer.py", ("transformers", "accelerate"))
 
-from cp_softcap.integrations.hf_trainer import CPTrainer, cp_mesh
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from cp_softcap.integrations.hf_trainer import CPTrainer, cp_mesh  # noqa: E402
 
 PAD, VOCAB = 0, 259                       # byte-level ids: byte + 3; pad 0, eos 1, bos 2
 

@@ -12,7 +12,7 @@ shorter than the conversations) with a character-level tokenizer built here; wit
 is loaded from that directory (config, weights and tokenizer with a chat template), in float32.
 SFTConfig(packing=True) packs the conversations padding-free (TRL's BFD packing); --no-packing
 keeps one conversation per row, flattened padding-free (padding_free=True). Needs
-pip install -e ".[sft]".
+pip install -e ".[sft]" (without it, it says so in one line).
 """
 from __future__ import annotations
 
@@ -21,9 +21,13 @@ import os
 import sys
 import tempfile
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":       # before the imports that need them: one line naming the extra
+    from extras import require   # examples/gemma2/extras.py
+    require("sft.py")
+
+import torch  # noqa: E402
+
 from hf_trainer import HEADS, _Parser, tiny_gemma2  # noqa: E402  (examples/gemma2/hf_trainer.py)
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<user>", "<assistant>", "<end>"]
