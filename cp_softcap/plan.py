@@ -40,7 +40,7 @@ from .kernels.base import Kernel, grad_dtype
 from .layout import ring_blocks
 from .selector import select
 from .sharding import layout_for
-from .spec import AttnSpec, check_comm, check_local_shards, check_qkv, make_spec
+from .spec import AttnSpec, check_comm, check_local_shards, check_qkv, check_sinks, make_spec
 from .transport import check_agreement
 
 Backend = Union[str, Kernel]
@@ -278,16 +278,18 @@ _PLANS: "weakref.WeakKeyDictionary[object, Dict[tuple, Plan]]" = weakref.WeakKey
 
 def spec_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap, causal, window, scale,
              cp_size: int = 1, comm: str = "ring", return_lse: bool = False,
-             documents: bool = False) -> AttnSpec:
-    """The validated AttnSpec of a call on these tensors."""
-    needs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+             documents: bool = False, sinks: Optional[torch.Tensor] = None) -> AttnSpec:
+    """The validated AttnSpec of a call on these tensors (`sinks`: the validated sinks tensor or
+    None; the spec records only their presence)."""
+    needs_backward = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k, v, sinks) if t is not None)
     refuse_cp(cp_size)     # every CP entry point builds its spec here, before any collective
     check_member(cp_size)
     return make_spec(head_dim=q.shape[-1], head_dim_v=v.shape[-1], num_heads=q.shape[2],
                      num_kv_heads=k.shape[2], dtype=q.dtype, device_type=q.device.type,
                      softcap=softcap, causal=causal, window=window, scale=scale,
                      needs_backward=needs_backward, cp_size=cp_size, comm=comm,
-                     return_lse=return_lse, documents=documents)
+                     return_lse=return_lse, documents=documents, sinks=sinks is not None)
 
 
 def local_plan(spec: AttnSpec, backend: Backend = "auto") -> Plan:
@@ -303,38 +305,45 @@ def local_plan(spec: AttnSpec, backend: Backend = "auto") -> Plan:
 # ------------------------------------------------------------------ the public entry points
 
 def local_plan_for(q, k, v, *, softcap, causal, window, scale, backend: Backend,
-                   return_lse: bool = False, cu_seqlens=None) -> Plan:
+                   return_lse: bool = False, cu_seqlens=None, sinks=None) -> Plan:
     """The plan of a one-device call (cps.attention): every argument validated, and what the
-    call runs decided: comm='local' (one kernel call), 'packed' (plan.boundaries) or 'export'."""
+    call runs decided: comm='local' (one kernel call), 'packed' (plan.boundaries) or 'export'.
+    sinks: the call's sinks tensor or None (its values are checked on every call)."""
     key = _call_key(q, k, v, ("local", backend), (softcap, causal, window, scale, return_lse),
-                    cu_seqlens)
+                    cu_seqlens, sinks)
     hit = _recall(_ONE_DEVICE, key)
     if hit is not None:
+        if sinks is not None:
+            check_sinks(sinks, q)
         return hit[0]
     plan = _one_device(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
-                       backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens)
+                       backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens, sinks=sinks)
     if plan.comm != "export":
         _memo(_ONE_DEVICE, key, plan, ())
     return plan
 
 
 def plan_for(q, k, v, group, *, softcap, causal, window, scale, comm: str, backend: Backend,
-             cu_seqlens=None) -> Plan:
+             cu_seqlens=None, sinks=None) -> Plan:
     """The plan of cps.cp_attention on this rank's shards: the group resolved and every argument
     validated (see the module docstring for the cross-rank check). A group of one rank (or None)
     gives a one-device plan (local_plan_for's, without the LSE); otherwise plan.comm names the
     algorithm. cu_seqlens: global document boundaries (or a PackedLayout), validated here;
-    invalid ones fail on every rank, after the signature exchange."""
+    invalid ones fail on every rank, after the signature exchange. sinks: the call's sinks
+    tensor or None; the ranks compare only its presence (AttnSpec.sinks), and its values are
+    checked on every call (a first call shows a bad one to the peers, as for q/k/v)."""
     root = _ONE_DEVICE if group is None else group
     rest = ()
     if type(group) in (tuple, list) and len(group) == 2:    # comm='a2a+p2p': (a2a, ring)
         root, rest = group[0], (type(group),) + weak(group[1:])
     key = _call_key(q, k, v, ("cp", comm, backend) + rest, (softcap, causal, window, scale),
-                    cu_seqlens) if _cacheable(root) else None
+                    cu_seqlens, sinks) if _cacheable(root) else None
     hit = _recall(root, key)
     # after destroy_process_group() a call with a group is planned in full, which says so
     if hit is not None and (root is _ONE_DEVICE or dist.is_initialized()):
         plan, refs = hit
+        if sinks is not None:
+            check_sinks(sinks, q, where=f"CP rank {plan.rank}" if refs else "")
         if refs:
             every_call = call_settings()[1]
             if every_call is None:
@@ -345,10 +354,12 @@ def plan_for(q, k, v, group, *, softcap, causal, window, scale, comm: str, backe
     groups, cp, rank = resolve_groups(group, comm)
     if comm != "a2a+p2p" and cp == 1:
         plan, groups = _one_device(q, k, v, softcap=softcap, causal=causal, window=window,
-                                   scale=scale, backend=backend, cu_seqlens=cu_seqlens), ()
+                                   scale=scale, backend=backend, cu_seqlens=cu_seqlens,
+                                   sinks=sinks), ()
     else:
         plan = _cp_plan(q, k, v, groups, cp, rank, softcap=softcap, causal=causal, window=window,
-                        scale=scale, comm=comm, backend=backend, cu_seqlens=cu_seqlens)
+                        scale=scale, comm=comm, backend=backend, cu_seqlens=cu_seqlens,
+                        sinks=sinks)
     if plan.comm != "export":
         _memo(root, key, plan, groups)
     return plan
@@ -382,8 +393,9 @@ def _cacheable(root) -> bool:
     return root is _ONE_DEVICE or _is_group(root)
 
 
-def _call_key(q, k, v, call: tuple, options: tuple, cu_seqlens) -> Optional[tuple]:
-    """The raw call as a key of _CALLS, or None (see above)."""
+def _call_key(q, k, v, call: tuple, options: tuple, cu_seqlens, sinks=None) -> Optional[tuple]:
+    """The raw call as a key of _CALLS, or None (see above). sinks: its presence and whether it
+    needs a gradient are part of the key (its values are not: they are checked every call)."""
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return None
     typed = tuple(_typed(o) for o in options)
@@ -394,7 +406,12 @@ def _call_key(q, k, v, call: tuple, options: tuple, cu_seqlens) -> Optional[tupl
         docs = cu_seqlens if isinstance(cu_seqlens, PackedLayout) else boundary_values(cu_seqlens)
         if docs is None:
             return None
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (sinks is not None and sinks.requires_grad))
+    if sinks is not None:
+        if type(sinks) is not torch.Tensor:
+            return None
+        call = call + ("sinks",)
     return (docs, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
             v.device, grad, torch.are_deterministic_algorithms_enabled(), planning_inputs(),
             call, typed)
@@ -484,12 +501,14 @@ def check_packed(q: torch.Tensor, k: torch.Tensor, cu_seqlens) -> Tuple[int, ...
 
 
 def _one_device(q, k, v, *, softcap, causal, window, scale, backend: Backend,
-                return_lse: bool = False, cu_seqlens=None) -> Plan:
+                return_lse: bool = False, cu_seqlens=None, sinks=None) -> Plan:
     check_qkv(q, k, v)
+    if sinks is not None:
+        check_sinks(sinks, q)
     cu = None if cu_seqlens is None else check_packed(q, k, cu_seqlens)
     packed = cu is not None and cu != (0, q.shape[1])
     spec = spec_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
-                    return_lse=return_lse, documents=packed)
+                    return_lse=return_lse, documents=packed, sinks=sinks)
     if packed:
         if is_exporting():
             raise ValueError("cu_seqlens= (packed documents) cannot be exported; export the "
@@ -504,14 +523,15 @@ def _one_device(q, k, v, *, softcap, causal, window, scale, backend: Backend,
 
 
 def _cp_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple, cp: int, rank: int,
-             *, softcap, causal, window, scale, comm: str, backend: Backend, cu_seqlens=None) -> Plan:
+             *, softcap, causal, window, scale, comm: str, backend: Backend, cu_seqlens=None,
+             sinks=None) -> Plan:
     """The plan of a context-parallel call on this rank's shards, for groups/cp/rank from
     resolve_groups (cached per group and call signature)."""
     check_member(cp)
     where = f"CP rank {rank}"
-    _check_inputs(q, k, v, cp, where, groups)
+    _check_inputs(q, k, v, cp, where, groups, sinks)
     spec = spec_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
-                    cp_size=cp, comm=comm, documents=cu_seqlens is not None)
+                    cp_size=cp, comm=comm, documents=cu_seqlens is not None, sinks=sinks)
     layout, doc_error = _documents(cu_seqlens, q.shape[1], cp)
     key = (spec, q.shape[0], q.shape[1], weak(groups[1:]), backend, planning_inputs(), layout)
     plans = _PLANS.setdefault(groups[0], {})
@@ -630,13 +650,15 @@ def _compare(plan: Plan, groups: tuple, device) -> None:
         check_agreement(g, (VALID_INPUTS,) + signature(plan), on, "the CP call-signature check")
 
 
-def _check_inputs(q, k, v, cp: int, where: str, groups: tuple) -> None:
-    """check_qkv and check_local_shards. A bad input is first shown to the peers in place of
-    this rank's signature (so a peer in its first-call check fails at once, naming this rank's
-    error) and then raised here."""
+def _check_inputs(q, k, v, cp: int, where: str, groups: tuple, sinks=None) -> None:
+    """check_qkv, check_local_shards (and check_sinks). A bad input is first shown to the peers
+    in place of this rank's signature (so a peer in its first-call check fails at once, naming
+    this rank's error) and then raised here."""
     try:
         check_qkv(q, k, v, where=where)
         check_local_shards(q, k, cp, where)
+        if sinks is not None:
+            check_sinks(sinks, q, where=where)
     except (TypeError, ValueError) as error:
         row = (("inputs", f"invalid on {where}: {type(error).__name__}: {error}"),)
         for g in groups:

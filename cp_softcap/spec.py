@@ -140,6 +140,7 @@ class AttnSpec:
     return_lse: bool = False
     deterministic: bool = False
     documents: bool = False         # packed documents: kernels get segments= (caps.segments)
+    sinks: bool = False             # learned attention sinks (sinks.py): their presence, not values
 
     @property
     def gqa(self) -> bool:
@@ -155,14 +156,15 @@ class AttnSpec:
         return (f"softcap={self.softcap} causal={self.causal} window={self.window} "
                 f"heads={self.num_heads}/{self.num_kv_heads} head_dim={self.head_dim} "
                 f"dtype={str(self.dtype).replace('torch.', '')} device={self.device_type} "
-                f"cp={self.cp_size} comm={self.comm}" + (" packed-documents" if self.documents else ""))
+                f"cp={self.cp_size} comm={self.comm}" + (" packed-documents" if self.documents else "")
+                + (" sinks" if self.sinks else ""))
 
 
 def make_spec(*, head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype,
               device_type: str, softcap=None, causal: bool = False, window=None, scale=None,
               dropout: float = 0.0, needs_backward: bool = True, cp_size: int = 1,
               comm: str = "ring", head_dim_v: Optional[int] = None,
-              return_lse: bool = False, documents: bool = False) -> AttnSpec:
+              return_lse: bool = False, documents: bool = False, sinks: bool = False) -> AttnSpec:
     """Validate user-facing options and build an AttnSpec. Raises ValueError/TypeError."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
@@ -193,7 +195,7 @@ def make_spec(*, head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.
                     device_type=device_type, scale=normalize_scale(scale, head_dim), softcap=softcap,
                     causal=causal, window=normalize_window(window, causal), dropout=float(dropout),
                     needs_backward=bool(needs_backward), cp_size=cp_size, comm=comm,
-                    return_lse=bool(return_lse), documents=bool(documents),
+                    return_lse=bool(return_lse), documents=bool(documents), sinks=bool(sinks),
                     deterministic=torch.are_deterministic_algorithms_enabled())
 
 
@@ -221,3 +223,24 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, where: str =
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"q and k head dims differ: {q.shape[3]} vs {k.shape[3]}{at}")
     check_gqa(q.shape[2], k.shape[2], at)
+
+
+def check_sinks(sinks, q: torch.Tensor, *, where: str = "") -> None:
+    """Attention sinks (one learned logit per query head, e.g. gpt-oss's `s_aux`): a floating
+    tensor [Hq] on q's device with finite values. Reading the values is a host sync on CUDA."""
+    at = f" on {where}" if where else ""
+    fix = (f"pass one logit per query head, a floating tensor of shape [{q.shape[2]}] on "
+           f"{q.device} (e.g. the attention module's `sinks` parameter), or sinks=None")
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}{at}; {fix}")
+    if not sinks.is_floating_point():
+        raise ValueError(f"sinks must be a floating tensor, got dtype {sinks.dtype}{at}; {fix}")
+    if tuple(sinks.shape) != (q.shape[2],):
+        raise ValueError(f"sinks has shape {tuple(sinks.shape)} but q has {q.shape[2]} query heads"
+                         f"{at}; {fix}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}{at}; {fix}")
+    if not bool(torch.isfinite(sinks.detach()).all()):
+        raise ValueError(f"sinks has non-finite values {sinks.detach().cpu().tolist()}{at}; a sink "
+                         "is a finite logit (+inf would zero every output, NaN poison it); "
+                         "pass sinks=None for no sink")

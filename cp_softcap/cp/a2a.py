@@ -32,6 +32,7 @@ from ..calls import backward_into, disjoint_rows, stream_order
 from ..doc_geometry import stream_calls
 from ..kernels.base import grad_dtype
 from ..merge import GradAccumulator
+from ..sinks import apply_sinks, sink_grad, sink_rows
 from ..transport import all_to_all
 from .guard import guarded
 
@@ -86,26 +87,43 @@ def heads_to_seq_sum(g: torch.Tensor, group, index: Sequence[Sequence[int]], num
     return out
 
 
-def a2a_forward(ctx, q, k, v, plan, attend):
-    """Re-shard by heads, attend(qh, kh, vh, plan) -> (out, lse), re-shard back."""
+def a2a_forward(ctx, q, k, v, plan, attend, sinks=None):
+    """Re-shard by heads, attend(qh, kh, vh, plan) -> (out, lse), re-shard back. sinks [Hq]
+    (cp/sinks.py): this rank's query heads' sinks join the rows' final (out, lse) here, once."""
     heads = plan.heads
     zz = heads.zigzag_order
     qh = seq_to_heads(q, heads.group, heads.q_index, "a2a.fwd.q", zz)
     kh = seq_to_heads(k, heads.group, heads.kv_index, "a2a.fwd.k", zz)
     vh = seq_to_heads(v, heads.group, heads.kv_index, "a2a.fwd.v", zz)
     out, lse = attend(qh, kh, vh, plan)
-    ctx.save_for_backward(qh, kh, vh, out, lse)
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, _my_sinks(sinks, heads), plan.grad_dtype)
+    ctx.save_for_backward(qh, kh, vh, out, lse, *(() if sinks is None else (sinks,)))
     ctx.plan = plan
     return heads_to_seq(out.to(q.dtype), heads.group, "a2a.fwd.out", zz)
 
 
+def _my_sinks(sinks: torch.Tensor, heads) -> torch.Tensor:
+    """The sinks of this rank's query heads (heads.q_index of its rank in the a2a group)."""
+    mine = heads.q_index[dist.get_rank(heads.group)]
+    return sinks.index_select(0, torch.tensor(mine, device=sinks.device))
+
+
 def a2a_backward(ctx, dout, attend_backward):
-    """Adjoint of a2a_forward; attend_backward(douth, qh, kh, vh, out, lse, plan) -> grads."""
-    qh, kh, vh, out, lse = ctx.saved_tensors
+    """Adjoint of a2a_forward; attend_backward(douth, qh, kh, vh, out, lse, plan) -> grads.
+    With sinks, ctx.dsinks is the sink gradient [Hq] of THIS rank's own rows (sequence shard),
+    every head: each row's term travels back to its owner with the adjoint all-to-all."""
+    qh, kh, vh, out, lse = ctx.saved_tensors[:5]
     plan = ctx.plan
     heads, spec = plan.heads, plan.spec
     zz = heads.zigzag_order
     douth = seq_to_heads(dout, heads.group, heads.q_index, "a2a.bwd.dout", zz)
+    if len(ctx.saved_tensors) == 6:     # sinks: the same message on every rank of the group
+        sinks = ctx.saved_tensors[5]
+        rows = sink_rows(douth, out, lse, _my_sinks(sinks, heads))        # [B, h, S_group]
+        rows = heads_to_seq_sum(rows.transpose(1, 2).unsqueeze(-1).contiguous(), heads.group,
+                                heads.q_index, spec.num_heads, "a2a.bwd.dsinks", zz)
+        ctx.dsinks = sink_grad(rows.squeeze(-1).transpose(1, 2), sinks)
     dq, dk, dv = attend_backward(douth, qh, kh, vh, out, lse, plan)
     dq = heads_to_seq_sum(dq, heads.group, heads.q_index, spec.num_heads, "a2a.bwd.dq", zz)
     dk = heads_to_seq_sum(dk, heads.group, heads.kv_index, spec.num_kv_heads, "a2a.bwd.dk", zz)

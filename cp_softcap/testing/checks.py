@@ -132,7 +132,8 @@ def reference_with_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout
                          softcap: Optional[float] = None, causal: bool = False, window=None,
                          scale: Optional[float] = None, dlse: Optional[torch.Tensor] = None,
                          bottom_right: bool = True, q_pos=None, k_pos=None,
-                         out_used: Optional[torch.Tensor] = None, cu_seqlens=None):
+                         out_used: Optional[torch.Tensor] = None, cu_seqlens=None,
+                         sinks: Optional[torch.Tensor] = None):
     """Float64 autograd reference: (out, lse, (dq, dk, dv)) for loss = <out, dout> (+ <lse, dlse>).
 
     Inputs are the (possibly 16-bit) tensors the kernel saw; they are upcast exactly. With
@@ -146,14 +147,19 @@ def reference_with_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout
     kernel's own arithmetic from the unavoidable rounding of O.
 
     cu_seqlens: packed documents (as reference_attention takes them; positions then count from
-    each document's start, and bottom_right does not apply)."""
+    each document's start, and bottom_right does not apply).
+
+    sinks [Hq]: attention sinks (reference_attention); the gradients are then (dq, dk, dv,
+    dsinks), dsinks the float64 gradient of the sinks."""
     sq, sk = q.shape[1], k.shape[1]
     if q_pos is None and k_pos is None and bottom_right and cu_seqlens is None:
         q_pos, k_pos = bottom_right_positions(sq, sk)
-    leaves = [x.detach().to(torch.float64).requires_grad_(True) for x in (q, k, v)]
+    leaves = [x.detach().to(torch.float64).requires_grad_(True)
+              for x in (q, k, v) + (() if sinks is None else (sinks,))]
     with torch.enable_grad():
-        out, lse = reference_attention(*leaves, softcap=softcap, causal=causal, window=window,
-                                       scale=scale, q_pos=q_pos, k_pos=k_pos, cu_seqlens=cu_seqlens)
+        out, lse = reference_attention(*leaves[:3], softcap=softcap, causal=causal, window=window,
+                                       scale=scale, q_pos=q_pos, k_pos=k_pos, cu_seqlens=cu_seqlens,
+                                       sinks=None if sinks is None else leaves[3])
         dout64 = dout.detach().to(torch.float64)
         loss = (out * dout64).sum()
         eff = None if dlse is None else dlse.detach().to(torch.float64)
@@ -188,14 +194,14 @@ def check_against_reference(out: torch.Tensor, grads: Optional[Sequence[Optional
     if lse is not None and ref_lse is not None:
         errs["lse"] = lse_err(lse, ref_lse)
     if grads is not None and ref_grads is not None:
-        for name, g, rg in zip(GRAD_NAMES, grads, ref_grads):
+        for name, g, rg in zip(GRAD_NAMES + ("dsinks",), grads, ref_grads):
             if g is None:
                 raise AssertionError(f"{name} is None (gradient lost){where}")
             assert_finite(g, name + where)
             assert_finite(rg, "reference " + name + where)
             errs[name] = rel_err(g, rg)
         if exact_grads is not None:
-            for name, g, rg in zip(GRAD_NAMES, grads, exact_grads):
+            for name, g, rg in zip(GRAD_NAMES + ("dsinks",), grads, exact_grads):
                 assert_finite(rg, "exact reference " + name + where)
                 errs[name + "_exact"] = rel_err(g, rg)
     bad = []

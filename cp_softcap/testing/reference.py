@@ -7,6 +7,9 @@ document d): key j is visible from query i only if both lie in the same document
 window rule holds in stream positions (a window never crosses a document). Tokens at or past
 cu[-1] are padding. Rows that see no key (padding included) give out = 0, lse = -inf and zero
 gradients, never NaN.
+
+Attention sinks (`sinks` [Hq]): one more column of logit sinks[h] (not scaled, not softcapped)
+and value 0 in every row's softmax; a row that sees no key then gives out = 0, lse = sinks[h].
 """
 from __future__ import annotations
 
@@ -46,9 +49,11 @@ def visible_mask(sq: int, sk: int, *, causal: bool = False, window=(None, None),
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, *,
                      softcap: Optional[float] = None, scale: Optional[float] = None,
-                     dtype: torch.dtype = torch.float64) -> Tuple[torch.Tensor, torch.Tensor]:
+                     dtype: torch.dtype = torch.float64, sinks: Optional[torch.Tensor] = None
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], visible bool [Sq, Sk] -> (out [B, Sq, Hq, Dv],
-    lse [B, Hq, Sq]) in `dtype`. Rows with no visible key: out 0, lse -inf, zero gradients."""
+    lse [B, Hq, Sq]) in `dtype`. Rows with no visible key: out 0, lse -inf, zero gradients.
+    sinks [Hq]: a sink column of that logit and value 0 in every row (differentiable)."""
     hq, hkv = q.shape[2], k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     qd, kd, vd = (x.to(dtype).transpose(1, 2) for x in (q, k, v))
@@ -57,6 +62,12 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     s = torch.matmul(qd, kd.transpose(-1, -2)) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
+    if sinks is not None:       # every row sees the sink: no row is empty
+        s = s.masked_fill(~visible, float("-inf"))
+        sink = sinks.to(dtype).view(1, hq, 1, 1).expand(s.shape[0], hq, s.shape[2], 1)
+        lse = torch.logsumexp(torch.cat([s, sink], dim=-1), dim=-1)
+        p = torch.exp(s - lse.unsqueeze(-1)).masked_fill(~visible, 0.0)
+        return torch.matmul(p, vd).transpose(1, 2), lse
     empty = ~visible.any(-1)
     # Empty rows take a finite stand-in before logsumexp so no -inf - (-inf) reaches the backward.
     s = s.masked_fill(~visible, float("-inf")).masked_fill(empty[:, None], 0.0)
@@ -70,11 +81,13 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                         softcap: Optional[float] = None, causal: bool = False,
                         window=(None, None), scale: Optional[float] = None,
                         q_pos: Optional[torch.Tensor] = None, k_pos: Optional[torch.Tensor] = None,
-                        cu_seqlens=None, dtype: torch.dtype = torch.float64
+                        cu_seqlens=None, dtype: torch.dtype = torch.float64,
+                        sinks: Optional[torch.Tensor] = None
                         ) -> Tuple[torch.Tensor, torch.Tensor]:
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, Dv], lse [B, Hq, Sq]) in `dtype`.
     cu_seqlens: boundaries [0, e1, ..., T_docs] of packed documents (as `cp_softcap.attention`
-    takes them), or None for one sequence."""
+    takes them), or None for one sequence. sinks [Hq]: attention sinks (see the module
+    docstring)."""
     visible = visible_mask(q.shape[1], k.shape[1], causal=causal, window=window, q_pos=q_pos,
                            k_pos=k_pos, cu_seqlens=cu_seqlens, device=q.device)
-    return masked_attention(q, k, v, visible, softcap=softcap, scale=scale, dtype=dtype)
+    return masked_attention(q, k, v, visible, softcap=softcap, scale=scale, dtype=dtype, sinks=sinks)
