@@ -139,10 +139,11 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             out = cp_attention(q, k, v, _groups(groups, comm), comm=comm, cu_seqlens=cu, **options)
             lse = out.new_empty((0,), dtype=torch.float32)
+    # fresh, contiguous outputs (the fake kernel's strides; never a view of what the graph keeps)
+    fresh = [t.detach().clone(memory_format=torch.contiguous_format) for t in (out, lse)]
     if not any(grads) or not out.requires_grad:
-        return out.detach(), lse.detach(), torch.zeros((), dtype=torch.int64)
-    graph = (out, lse if one_device else None, (q, k, v))
-    return out.detach().clone(), lse.detach().clone(), _keep(graph)
+        return fresh[0], fresh[1], torch.zeros((), dtype=torch.int64)
+    return fresh[0], fresh[1], _keep((out, lse if one_device else None, (q, k, v)))
 
 
 @_attention_op.register_fake
@@ -168,7 +169,7 @@ def _backward_op(handle: torch.Tensor, dout: torch.Tensor, dlse: Optional[torch.
     result, seen = [], {dout.untyped_storage().data_ptr()}
     for t, g in zip(inputs, grads):
         d = next(found) if g else None
-        d = torch.zeros_like(t) if d is None else d
+        d = torch.zeros_like(t, memory_format=torch.contiguous_format) if d is None else d.contiguous()
         if d.untyped_storage().data_ptr() in seen:      # an operator's outputs may not alias
             d = d.clone()
         seen.add(d.untyped_storage().data_ptr())

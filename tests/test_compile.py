@@ -1,0 +1,105 @@
+"""One-device cps.attention and CPAttention(None) inside torch.compile(fullgraph=True), the first
+call compiled: the same values as eager (bitwise with the 'aot_eager' backend: the same kernel
+runs), the LSE and its gradient, packed documents, windows and GQA; recompiles bounded when the
+boundaries change every step; the export path (torch.export) still traces plain ops."""
+import pytest
+import torch
+
+import cp_softcap as cps
+from cp_softcap import compiled
+
+B, S, H, HKV, D = 2, 24, 4, 2, 8
+
+
+def _inputs(seed=0, dtype=torch.float64):
+    torch.manual_seed(seed)
+    q = torch.randn(B, S, H, D, dtype=dtype) * 3
+    k = torch.randn(B, S, HKV, D, dtype=dtype) * 3
+    v = torch.randn(B, S, HKV, D, dtype=dtype)
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+def _run(fn, seed, cu=None):
+    q, k, v = _inputs(seed)
+    out, lse = fn(q, k, v, cu)
+    ((out ** 2).sum() + lse.clamp_min(-1e4).sum()).backward()
+    return [out.detach(), lse.detach(), q.grad, k.grad, v.grad]
+
+
+def _attend(q, k, v, cu):
+    return cps.attention(q, k, v, softcap=3.0, window=(7, 0), return_lse=True, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_attention_compiled_equals_eager(packed):
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    fn = torch.compile(_attend, fullgraph=True, backend="aot_eager")
+    for step in range(3):
+        cu = torch.tensor([0, 4 + step, 13, S]) if packed else None
+        got, want = _run(fn, step, cu), _run(_attend, step, cu)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), (a - b).abs().max()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
+    compiled._sweep()
+    assert not compiled._LIVE
+
+
+def test_layer_without_group_compiles():
+    layer = cps.CPAttention(None, softcap=2.0)
+    fn = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    q, k, v = _inputs(3)
+    out = fn(q, k, v)
+    out.sum().backward()
+    q2, k2, v2 = _inputs(3)
+    ref = layer(q2, k2, v2)
+    ref.sum().backward()
+    assert torch.equal(out, ref) and torch.equal(q.grad, q2.grad) and torch.equal(v.grad, v2.grad)
+
+
+def test_no_grad_call_keeps_nothing():
+    fn = torch.compile(_attend, fullgraph=True, backend="aot_eager")
+    q, k, v = _inputs(1)
+    with torch.no_grad():
+        out, _ = fn(q, k, v, None)
+    compiled._sweep()
+    assert not compiled._LIVE and torch.isfinite(out).all()
+
+
+def test_second_backward_is_refused():
+    fn = torch.compile(_attend, fullgraph=True, backend="aot_eager")
+    q, k, v = _inputs(2)
+    out, _ = fn(q, k, v, None)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="ran twice"):
+        out.sum().backward()
+
+
+def test_inductor_matches_eager():
+    import shutil
+    if not any(map(shutil.which, ("g++", "c++", "clang++"))):
+        pytest.skip("inductor on CPU needs a C++ compiler")
+    torch._dynamo.reset()
+
+    def block(q, k, v, cu):
+        out, lse = _attend(torch.tanh(q) * 4, k, v, cu)
+        return out * 2, lse
+
+    fn = torch.compile(block, fullgraph=True)
+    got, want = _run(fn, 0), _run(block, 0)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_export_still_traces_plain_ops():
+    class M(torch.nn.Module):
+        def forward(self, q, k, v):
+            return cps.attention(q, k, v, softcap=3.0)
+
+    q, k, v = (t.detach() for t in _inputs(0, torch.float32))
+    ep = torch.export.export(M(), (q, k, v))
+    names = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert not any("cp_softcap" in n for n in names), names
+    assert torch.allclose(ep.module()(q, k, v), M()(q, k, v), atol=1e-5)
