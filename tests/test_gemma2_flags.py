@@ -43,6 +43,7 @@ def test_bad_flags_all_at_once_and_only_on_rank_0():
     err = lead.stderr
     assert "--loss-chunk must be >= 1, got 0" in err and "divisors: 1, 2, 4" in err
     assert "--comm a2a splits the 4 query heads over cp=3" in err
+    assert "--seq-len 100 must be a multiple of 2*cp = 6" in err      # although --cp 3 is refused too
     choice = _run(["--ac", "some"], "0")
     assert choice.returncode == 2 and "choose from 'none', 'full', 'selective'" in choice.stderr
 
@@ -105,7 +106,7 @@ def test_readme_plan_example_prints_what_readme_says(capsys):
     after = readme[readme.index(cmd):][:400]
     assert "refuses (299 GiB per rank)" in " ".join(after.split())
     assert "needs about 299.3 GiB per rank but the device has 139.0 GiB" in out
-    assert "--fsdp --ac selective (91.7 GiB), --fsdp --ac full (29.4 GiB)" in out
+    assert "--fsdp --ac selective (91.7 GiB), --fsdp --ac full (29.5 GiB)" in out
 
 
 def _errors(argv, capsys, monkeypatch) -> str:
@@ -294,6 +295,71 @@ def test_plan_leaves_cuda_its_own_memory(monkeypatch):
     class Props:
         total_memory = 80 * memory.GIB
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert memory.device_memory("cuda", 1) == 80 * memory.GIB - memory.CUDA_OUTSIDE_ALLOCATOR
     assert memory.CUDA_OUTSIDE_ALLOCATOR >= 1.28 * memory.GIB
     assert memory.device_memory("cuda", 1, 139.0) == 139 * memory.GIB
+
+
+def _plan(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        train.main(["--plan", *argv])
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_plan_defaults_to_the_gpu_run_a_user_would_make(capsys, monkeypatch):
+    """--plan with no --dtype / --batch-size plans a GPU run: bf16, batch 1, against an 80 GB H100
+    when this machine has no GPU (said in the output), the GPU's memory when it has one, or
+    --device-mem-gib; 9b at 128K on 8 ranks then names the flags that fit."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    out = _plan(["--config", "9b", "--seq-len", "131072", "--world-size", "8"], capsys)
+    assert "batch 1, bfloat16" in out and "(16384 tokens per rank)" in out
+    assert "no GPU here: planned against an 80 GB H100, 79.11 GiB" in out
+    assert f"{(memory.H100_TOTAL - memory.CUDA_OUTSIDE_ALLOCATOR) / memory.GIB:10.3f} GiB" in out
+    assert "these would fit: --fsdp --ac full (29.5 GiB)" in out and "nothing among" not in out
+    out = _plan(["--config", "9b", "--seq-len", "131072", "--world-size", "8", "--device-mem-gib", "60"], capsys)
+    assert "60.000 GiB" in out and "no GPU here" not in out and "batch 1, bfloat16" in out
+
+    class Props:
+        total_memory = 141 * memory.GIB
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
+    out = _plan(["--config", "9b", "--seq-len", "131072", "--world-size", "8", "--fsdp", "--ac", "full"], capsys)
+    assert "139.500 GiB" in out and "no GPU here" not in out and out.rstrip().endswith("fits")
+
+
+def test_plan_takes_given_batch_dtype_and_a_cpu_device(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = _plan(["--config", "2b", "--seq-len", "8192", "--world-size", "8", "--batch-size", "2",
+                 "--dtype", "float32", "--device-mem-gib", "80"], capsys)
+    assert "batch 2, float32" in out
+    out = _plan(["--config", "2b", "--seq-len", "8192", "--world-size", "8", "--device", "cpu"], capsys)
+    assert "batch 1, float32" in out and "no GPU here" not in out      # a CPU run: the host's memory
+    args, _, _ = flags.parse([])
+    assert args.batch_size == 8                                          # a run's default is unchanged
+
+
+def test_help_plan_example_plans_a_run_that_fits(capsys, monkeypatch):
+    """train.py's --help names a 27b --plan at 131,072 tokens on 64 ranks: as written it plans
+    bf16, batch 1, and fits an H100 (this machine has no GPU, or its own)."""
+    cmd = next(line.strip() for line in train.__doc__.splitlines() if "--plan" in line and "train.py" in line)
+    argv = cmd.split("train.py", 1)[1].split()
+    assert "--dtype" not in argv and "--batch-size" not in argv and "--device-mem-gib" not in argv
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = _plan([a for a in argv if a != "--plan"], capsys)
+    assert "64 ranks = dp 1 x cp 64" in out and "batch 1, bfloat16" in out
+    assert out.rstrip().endswith("fits") and "does not fit" not in out
+
+
+def test_every_flag_problem_is_reported_with_the_seq_len(capsys, monkeypatch):
+    """--cp 3 --seq-len 100 --data nope.txt --comm a2a on one process: four problems, four lines."""
+    err = _errors(["--cp", "3", "--seq-len", "100", "--data", "nope.txt", "--comm", "a2a"], capsys, monkeypatch)
+    problems = err.split("train.py: error:", 1)[1].strip().splitlines()
+    assert len(problems) == 4, err
+    assert "--cp 3 must divide the world size 1" in problems[0]
+    assert "--seq-len 100 must be a multiple of 2*cp = 6" in problems[1] and "use --seq-len 102" in problems[1]
+    assert "--comm a2a splits the 4 query heads over cp=3" in problems[2]
+    assert "--data 'nope.txt' does not exist" in problems[3]

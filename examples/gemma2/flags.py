@@ -59,7 +59,8 @@ def parser(doc: str) -> Parser:
       "fa2, fa3, fa4, flex, sdpa, torch; it must serve this run's softcap, windows and device")
     a("--device", default="auto", choices=("auto", "cpu", "cuda"))
     a("--dtype", default="auto", choices=DTYPES,
-      help="compute dtype over float32 weights (autocast); auto = bfloat16 on GPU, float32 on CPU")
+      help="compute dtype over float32 weights (autocast); auto = bfloat16 on GPU, float32 on CPU "
+      "(--plan plans a GPU run: bfloat16 unless --device cpu)")
     a("--fsdp", action="store_true", help="shard parameters, grads and optimizer state over all ranks "
       "(FSDP2); needed for 9b/27b. Off: a full replica per rank, gradients all-reduced")
     a("--ac", default="none", choices=AC_MODES,
@@ -72,7 +73,7 @@ def parser(doc: str) -> Parser:
     a("--loss-chunk", type=int, help="tokens per cross-entropy slice (default: 256 MiB of float32 logits "
       "for the PyTorch loss, 1 GiB of bf16 logits for Liger's, which rounds it down to a power of two)")
     a("--seq-len", type=int, default=256, help="global sequence length (a multiple of 2*cp)")
-    a("--batch-size", type=int, default=8, help="sequences per dp rank per step")
+    a("--batch-size", type=int, help="sequences per dp rank per step (None: 8 for a run, 1 for --plan)")
     a("--pack", action="store_true", help="each sequence packs whole documents (the corpus split at "
       "blank lines; a .pt corpus at eos tokens) with their global cu_seqlens: attention and RoPE "
       "restart per document, no label crosses a boundary. One packed row per dp rank: needs "
@@ -94,11 +95,14 @@ def parser(doc: str) -> Parser:
     a("--log-every", type=int, default=1, help="print a metrics line every N steps")
     a("--no-progress", action="store_true", help="no progress bar")
     a("--plan", action="store_true", help="print the per-rank memory plan for --world-size ranks "
-      "and exit (no process group, nothing on a device)")
+      "and exit (no process group, nothing on a device): a GPU run (bf16, batch 1 unless given) "
+      "against this GPU's memory, --device-mem-gib, or without either an H100's 80 GB; "
+      "--device cpu plans a CPU run")
     a("--world-size", type=int, help="ranks the --plan is for (None: torchrun's WORLD_SIZE, else 1)")
     a("--device-mem-gib", type=float, help="memory per rank for tensors, for the plan and the "
-      "check (None: the GPU's total less 1.5 GiB that CUDA holds outside PyTorch's allocator, "
-      "or the host's memory divided by the ranks on it)")
+      "check (None: the GPU's total less 1.5 GiB that CUDA holds outside PyTorch's allocator; "
+      "for --plan on a machine without a GPU an H100's (79.1 GiB) less the same; on CPU the "
+      "host's memory divided by the ranks on it)")
     a("--skip-memory-check", action="store_true", help="start even when the plan says it will not fit")
     return p
 
@@ -131,7 +135,7 @@ def _problems(args, world: int, cfg):
     if args.cp and world % args.cp:
         yield (f"--cp {args.cp} must divide the world size {world} (dp = world / cp); "
                f"divisors: {', '.join(str(c) for c in range(1, world + 1) if world % c == 0)}")
-    elif args.seq_len >= 1 and args.seq_len % (2 * cp):
+    if cp >= 1 and args.seq_len >= 1 and args.seq_len % (2 * cp):     # also when --cp is refused
         good = (args.seq_len // (2 * cp) + 1) * 2 * cp
         yield (f"--seq-len {args.seq_len} must be a multiple of 2*cp = {2 * cp} (zigzag: 2 chunks per "
                f"CP rank); use --seq-len {good}, or a different --cp")
@@ -176,6 +180,8 @@ def _backend_problems(args, cp: int, cfg):
     if forced is None:      # auto: the selector falls back to the torch kernel, which serves all
         return
     import torch
+    if args.plan and device_type(args) == "cuda" and not torch.cuda.is_available():
+        return              # a plan for a GPU run made without one: no GPU kernel can be probed here
     if device_type(args) == "cuda":
         # a kernel's probe starts CUDA on the current device: make it this rank's own GPU (the
         # one it trains on), not GPU 0 for every local rank
@@ -244,7 +250,10 @@ def local_world() -> int:
 
 
 def device_type(args) -> str:
-    """"cuda" when every local rank can have a GPU (and --device allows), else "cpu"."""
+    """"cuda" when every local rank can have a GPU (and --device allows), else "cpu". --plan
+    plans a GPU run on any machine unless --device cpu."""
+    if getattr(args, "plan", False):
+        return "cpu" if args.device == "cpu" else "cuda"
     import torch
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return "cuda" if args.device != "cpu" and 0 < local_world() <= n_gpu else "cpu"
@@ -267,6 +276,8 @@ def parse(argv=None, doc: str = ""):
         cfg = from_hf_json(args.model_dir) if args.model_dir else get_config(args.config)
     except (OSError, ValueError) as e:
         p.error(str(e))
+    if args.batch_size is None:         # a plan is for what a user would run: one sequence
+        args.batch_size = 1 if args.plan else 8
     problems = list(_problems(args, world, cfg))
     if problems:
         p.error("\n  " + "\n  ".join(problems))

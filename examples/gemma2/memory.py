@@ -19,6 +19,10 @@ RING_BLOCK_KEYS = 32768      # cp_softcap's default for CP_SOFTCAP_RING_BLOCK_KE
 # when 2b at 131,072 tokens ran out of memory (78.53 GiB in use, 77.25 of it PyTorch's). The plan
 # leaves this much of the GPU's total to it.
 CUDA_OUTSIDE_ALLOCATOR = 3 * GIB // 2
+# What torch reports as an 80 GB H100's total (get_device_properties(0).total_memory: "a total
+# capacity of 79.11 GiB"): what --plan plans against on a machine without a GPU, when
+# --device-mem-gib does not say otherwise.
+H100_TOTAL = int(79.11 * GIB)
 
 
 @dataclass(frozen=True)
@@ -195,14 +199,30 @@ def estimate(job: Job) -> List[Tuple[str, int]]:
 
 def device_memory(device_type: str, local_world: int, override_gib: Optional[float] = None) -> int:
     """Bytes one rank's tensors may use: --device-mem-gib, else the GPU's total less what CUDA
-    holds outside PyTorch's allocator (CUDA_OUTSIDE_ALLOCATOR), else the host's memory shared
-    by the ranks on it."""
+    holds outside PyTorch's allocator (CUDA_OUTSIDE_ALLOCATOR; an H100's total where this machine
+    has no GPU: a --plan for a GPU run), else the host's memory shared by the ranks on it."""
     if override_gib is not None:
         return int(override_gib * GIB)
     if device_type == "cuda":
-        import torch
-        return torch.cuda.get_device_properties(0).total_memory - CUDA_OUTSIDE_ALLOCATOR
+        return _gpu_total() - CUDA_OUTSIDE_ALLOCATOR
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local_world)
+
+
+def _gpu_total() -> int:
+    import torch
+    if not torch.cuda.is_available():
+        return H100_TOTAL
+    return torch.cuda.get_device_properties(0).total_memory
+
+
+def limit_note(job: Job, limit: int) -> str:
+    """Where the limit of a GPU plan made without a GPU comes from, or ""."""
+    import torch
+    if job.device_type != "cuda" or torch.cuda.is_available() or limit != H100_TOTAL - CUDA_OUTSIDE_ALLOCATOR:
+        return ""
+    return (f"  (no GPU here: planned against an 80 GB H100, {H100_TOTAL / GIB:.2f} GiB less "
+            f"{CUDA_OUTSIDE_ALLOCATOR / GIB:.1f} GiB that CUDA holds outside PyTorch's allocator; "
+            "--device-mem-gib G plans for another card)")
 
 
 def peak(job: Job) -> int:
@@ -242,7 +262,8 @@ def render(job: Job, limit: int) -> str:
     lines.append("  activations kept with --ac none / selective / full: "
                  + " / ".join(f"{b / GIB:.3f}" for b in kept.values()) + " GiB")
     lines.append(f"  {'memory for tensors per rank':<58} {limit / GIB:10.3f} GiB")
-    return "\n".join(lines)
+    note = limit_note(job, limit)
+    return "\n".join(lines + ([note] if note else []))
 
 
 def check(job: Job, limit: int) -> Optional[str]:
