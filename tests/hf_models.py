@@ -23,3 +23,29 @@ def gemma2_pair(**config):
     ours = transformers.Gemma2ForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="cp_softcap")
     ours.load_state_dict(eager.state_dict())
     return eager, ours
+
+
+GPTOSS_SINKS = (8.0, -1.0, 10.0, 0.5)       # heads 0 and 2: the sink dominates their rows
+
+
+def gptoss_pair(**config):
+    """(eager, ours): one tiny random GptOssForCausalLM (learned attention sinks `s_aux`, a
+    sliding layer of window 6 then a full layer, GQA 4/2, MoE with 4 experts) under "eager"
+    and "cp_softcap", with the same weights; its sinks GPTOSS_SINKS. float32 only: gpt-oss's
+    eager MoE uses a grouped matmul that refuses float64."""
+    import transformers
+    base = dict(vocab_size=97, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                num_experts_per_tok=2, sliding_window=6,
+                layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256)
+    base.update(config)
+    cfg = transformers.GptOssConfig(**base)
+    eager = transformers.GptOssForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in eager.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if "norm" in name else 0.5))
+            if name.endswith("sinks"):
+                p.copy_(torch.tensor(GPTOSS_SINKS))
+    ours = transformers.GptOssForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="cp_softcap")
+    ours.load_state_dict(eager.state_dict())
+    return eager, ours

@@ -41,6 +41,17 @@ attention implementation it has no mask function for, so a mask function is regi
 (`_mask_function`): it returns None for no mask or an all-ones mask and refuses padding masks
 and model-specific mask changes. A dense 4-D mask reaches the attention function and is refused
 there, as is attention dropout.
+
+Keywords: the attention function implements `scaling`, `softcap`, `sliding_window`,
+`is_causal`, `s_aux` (gpt-oss's learned attention sinks, [Hq]: passed to the library as
+`sinks=`), the packed-document keys above (`cu_seqlens`, `cu_seq_lens_q`/`_k`, with
+`max_length_q`/`_k` and `seq_idx`, which describe the same documents), `position_ids` and
+`cp_group`; it accepts `dropout=0.0` and the keys HF passes through every layer that do not
+change attention (`num_items_in_batch`, `shift_labels`, `output_attentions` (no weights are
+returned), `output_hidden_states`, `output_router_logits`, `use_cache`, `cache_position`,
+`return_dict`). Any other keyword with a value other than None is refused with a ValueError
+naming it (a model whose attention needs something this function does not implement gets an
+error, never a silently different result).
 """
 from __future__ import annotations
 
@@ -197,10 +208,35 @@ def _mask_function(*args, attention_mask=None, use_vmap: bool = False, **kwargs)
     return None
 
 
+# keywords read below (packed documents, causality), and the ones that do not change attention
+_IMPLEMENTED = frozenset({"cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "is_causal"})
+_HARMLESS = frozenset({
+    "max_length_q", "max_length_k",     # lengths of the documents cu_seq_lens_q/_k give
+    "seq_idx",                          # the same documents, per token (for Mamba layers)
+    "num_items_in_batch", "shift_labels", "labels",     # the loss's, passed through every layer
+    "output_attentions", "output_hidden_states", "output_router_logits", "use_cache",
+    "cache_position", "return_dict"})
+
+
+def _check_kwargs(kwargs: dict) -> None:
+    """Refuse keywords this function does not implement (a value of None means "not given")."""
+    for name, value in kwargs.items():
+        if value is None or name in _IMPLEMENTED or name in _HARMLESS:
+            continue
+        raise ValueError(
+            f"attn_implementation='cp_softcap' got the keyword argument {name!r} "
+            f"({type(value).__name__}), which it does not implement and which may change the "
+            f"attention result; it implements scaling, softcap, sliding_window, is_causal, s_aux "
+            f"(attention sinks), dropout=0.0 and packed documents (cu_seqlens / cu_seq_lens_q, "
+            f"position_ids). Use attn_implementation='eager' for this model, or file an issue "
+            f"naming {name!r}.")
+
+
 def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                          value: torch.Tensor, attention_mask=None, scaling: Optional[float] = None,
                          dropout: float = 0.0, softcap: Optional[float] = None,
                          sliding_window: Optional[int] = None, position_ids=None, cp_group=None,
+                         s_aux: Optional[torch.Tensor] = None,
                          **kwargs) -> Tuple[torch.Tensor, None]:
     """HF attention function. query [B, Hq, S, D], key/value [B, Hkv, Sk, D] (local shards under
     CP) -> (out [B, S, Hq, D], None). sliding_window w: key j visible from query i iff
@@ -209,7 +245,12 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     Packed documents: on one device from kwargs cu_seqlens / cu_seq_lens_q,k or position_ids
     resets (the rows joined into one stream); under CP only from the GLOBAL `cu_seqlens` kwarg
     (model(..., cu_seqlens=cu_global)), passed on to cp_attention(..., cu_seqlens=cu_global):
-    a rank's position_ids show only its shard's resets, never the global boundaries."""
+    a rank's position_ids show only its shard's resets, never the global boundaries.
+
+    s_aux: gpt-oss's learned attention sinks [Hq] (the module's `sinks` parameter), passed on
+    as sinks= (its gradient on each CP rank: the sum over that rank's rows; the usual gradient
+    all-reduce across ranks sums it). Any keyword not implemented is refused (module docstring)."""
+    _check_kwargs(kwargs)
     if dropout:
         raise ValueError(f"attn_implementation='cp_softcap' got attention dropout={dropout}; it is "
                          "exact and has no dropout. Set config.attention_dropout = 0.0.")
@@ -241,19 +282,20 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     window = hf_window(sliding_window, causal) if sliding_window else None
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
+    sinks = {} if s_aux is None else {"sinks": s_aux}
     if cu is not None and cp == 1:
         b = q.shape[0]
         if joined:                     # the rows joined into one packed stream
             q, k, v = (t.reshape(1, b * t.shape[1], *t.shape[2:]) for t in (q, k, v))
         out = attention(q, k, v, softcap=softcap, causal=causal, window=window, scale=scaling,
-                        backend=_CONFIG["backend"], cu_seqlens=cu)
+                        backend=_CONFIG["backend"], cu_seqlens=cu, **sinks)
         return out.reshape(b, sq, *out.shape[2:]), None
     if group is None:                  # no CP group set: plain attention (DP-only runs too)
         return attention(q, k, v, softcap=softcap, causal=causal, window=window, scale=scaling,
-                         backend=_CONFIG["backend"]), None
+                         backend=_CONFIG["backend"], **sinks), None
     docs = {} if cu is None else {"cu_seqlens": cu}
     out = cp_attention(q, k, v, group, softcap=softcap, causal=causal, window=window, scale=scaling,
-                       comm=comm, backend=_CONFIG["backend"], **docs)
+                       comm=comm, backend=_CONFIG["backend"], **docs, **sinks)
     return out, None
 
 
