@@ -99,6 +99,16 @@ def _worker(rank, world):
         group = hybrid if comm == "a2a+p2p" else dist.group.WORLD
         for i, (opts, cu, s) in enumerate(_cases(world)):
             results[(comm, i)] = _check_case(i, comm, group, world, rank, opts, cu, s)
+    # the ranks compare the sinks' presence (AttnSpec.sinks): one rank without them fails everywhere
+    q = torch.randn(1, 4 * world, 4, 8, dtype=torch.float64)
+    sinks = torch.zeros(4, dtype=torch.float64) if rank == 0 else None
+    try:
+        cps.cp_attention(q, q, q, dist.group.WORLD, sinks=sinks)
+    except ValueError as e:
+        if "sinks" not in str(e):
+            raise AssertionError(f"unclear message: {e}")
+    else:
+        raise AssertionError("sinks on rank 0 only did not raise")
     return results
 
 
