@@ -91,18 +91,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: Opt
     one finite learned logit per query head that joins every row's softmax denominator and
     attends to nothing: out' = out * sigmoid(lse - sink), lse' = logaddexp(lse, sink) (not
     scaled or softcapped; a row that sees no key gets out 0, lse = sink). Differentiable in
-    sinks too. Inside torch.compile a call with sinks runs eagerly (a graph break).
+    sinks too.
     """
+    if compiling():
+        out, lse = compiled_attention(q, k, v, group_names_="", comm="ring", backend=backend,
+                                      softcap=softcap, causal=causal, window=window, scale=scale,
+                                      cu_seqlens=cu_seqlens, one_device=True, sinks=sinks)
+        return (out, lse) if return_lse else out
     if sinks is not None:       # attention sinks: sinks.py, run by packed_local.py
         from .packed_local import attention_with_sinks
         return attention_with_sinks(q, k, v, sinks, softcap=softcap, causal=causal, window=window,
                                     scale=scale, backend=backend, return_lse=return_lse,
                                     cu_seqlens=cu_seqlens)
-    if compiling():
-        out, lse = compiled_attention(q, k, v, group_names_="", comm="ring", backend=backend,
-                                      softcap=softcap, causal=causal, window=window, scale=scale,
-                                      cu_seqlens=cu_seqlens, one_device=True)
-        return (out, lse) if return_lse else out
     plan = local_plan_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
                           backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens)
     out, lse = _run_one_device(q, k, v, plan)
@@ -164,6 +164,12 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, 
     so the usual gradient reduction across the CP/data-parallel ranks (a sum, as for every
     other parameter) gives the full gradient. The ranks compare the sinks' presence, not values.
     """
+    if compiling():
+        out, _ = compiled_attention(q, k, v, group_names_=group_names(group, comm), comm=comm,
+                                    backend=backend, softcap=softcap, causal=causal,
+                                    window=window, scale=scale, cu_seqlens=cu_seqlens,
+                                    one_device=False, sinks=sinks)
+        return out
     if sinks is not None:       # attention sinks: cp/sinks.py
         from .cp.sinks import cp_attention_with_sinks
         if group is None:
@@ -171,12 +177,6 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, 
         return cp_attention_with_sinks(q, k, v, group, sinks, softcap=softcap, causal=causal,
                                        window=window, scale=scale, comm=comm, backend=backend,
                                        cu_seqlens=cu_seqlens)
-    if compiling():
-        out, _ = compiled_attention(q, k, v, group_names_=group_names(group, comm), comm=comm,
-                                    backend=backend, softcap=softcap, causal=causal,
-                                    window=window, scale=scale, cu_seqlens=cu_seqlens,
-                                    one_device=False)
-        return out
     if group is None:
         _warn_if_several_ranks()
     plan = plan_for(q, k, v, group, softcap=softcap, causal=causal, window=window, scale=scale,

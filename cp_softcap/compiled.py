@@ -114,20 +114,22 @@ def _take(handle: torch.Tensor):
 
 @torch.library.custom_op("cp_softcap::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  cu_seqlens: Optional[torch.Tensor], groups: str, comm: str, backend: str,
+                  sinks: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], groups: str, comm: str, backend: str,
                   softcap: float, causal: bool, window: List[int], scale: float,
                   flags: List[bool], layout_windows: List[int], layout_causal: bool
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """flags: (q, k, v need gradients, softcap given, scale given, window left / right given,
-    one device with return_lse, boundaries form a PackedLayout)."""
+    """flags: (q, k, v, sinks need gradients, softcap given, scale given, window left / right
+    given, one device with return_lse, boundaries form a PackedLayout)."""
     from .api import attention, cp_attention
     _sweep()
-    grads, (has_cap, has_scale, has_left, has_right, one_device, layout) = flags[:3], flags[3:]
+    grads, (has_cap, has_scale, has_left, has_right, one_device, layout) = flags[:4], flags[4:]
     options = dict(softcap=softcap if has_cap else None, causal=causal,
                    window=_window(*window, has_left, has_right), scale=scale if has_scale else None,
                    backend=_backend(backend))
     # own copies (see the module docstring); the same values, so the same results
     q, k, v = (t.detach().clone().requires_grad_(g) for t, g in zip((q, k, v), grads))
+    if sinks is not None:
+        sinks = sinks.detach().clone().requires_grad_(grads[3])
     cu = None
     if cu_seqlens is not None:
         cu = [int(x) for x in cu_seqlens.tolist()]
@@ -135,23 +137,24 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             cu = _layout(cu, q.shape[1], groups, comm, layout_windows, layout_causal)
     with torch.enable_grad():
         if one_device:
-            out, lse = attention(q, k, v, return_lse=True, cu_seqlens=cu, **options)
+            out, lse = attention(q, k, v, return_lse=True, cu_seqlens=cu, sinks=sinks, **options)
         else:
-            out = cp_attention(q, k, v, _groups(groups, comm), comm=comm, cu_seqlens=cu, **options)
+            out = cp_attention(q, k, v, _groups(groups, comm), comm=comm, cu_seqlens=cu,
+                               sinks=sinks, **options)
             lse = out.new_empty((0,), dtype=torch.float32)
     # fresh, contiguous outputs (the fake kernel's strides; never a view of what the graph keeps)
     fresh = [t.detach().clone(memory_format=torch.contiguous_format) for t in (out, lse)]
     if not any(grads) or not out.requires_grad:
         return fresh[0], fresh[1], torch.zeros((), dtype=torch.int64)
-    return fresh[0], fresh[1], _keep((out, lse if one_device else None, (q, k, v)))
+    return fresh[0], fresh[1], _keep((out, lse if one_device else None, (q, k, v, sinks)))
 
 
 @_attention_op.register_fake
-def _(q, k, v, cu_seqlens, groups, comm, backend, softcap, causal, window, scale, flags,
+def _(q, k, v, sinks, cu_seqlens, groups, comm, backend, softcap, causal, window, scale, flags,
       layout_windows, layout_causal):
     b, s, hq = q.shape[:3]
     out = q.new_empty((b, s, hq, v.shape[-1]))
-    one_device = flags[7]
+    one_device = flags[8]
     lse = q.new_empty((b, hq, s) if one_device else (0,), dtype=grad_dtype(q.dtype))
     return out, lse, torch.empty((), dtype=torch.int64, device="cpu")
 
@@ -164,10 +167,13 @@ def _backward_op(handle: torch.Tensor, dout: torch.Tensor, dlse: Optional[torch.
     if lse is not None and dlse is not None:
         outputs.append(lse)
         grad_outputs.append(dlse)
-    wanted = [t for t, g in zip(inputs, grads) if g]
+    wanted = [t for t, g in zip(inputs, grads) if g and t is not None]
     found = iter(torch.autograd.grad(outputs, wanted, grad_outputs, allow_unused=True))
     result, seen = [], {dout.untyped_storage().data_ptr()}
     for t, g in zip(inputs, grads):
+        if t is None:                           # no sinks: an empty placeholder
+            result.append(dout.new_empty((0,)))
+            continue
         d = next(found) if g else None
         d = torch.zeros_like(t, memory_format=torch.contiguous_format) if d is None else d.contiguous()
         if d.untyped_storage().data_ptr() in seen:      # an operator's outputs may not alias
@@ -179,21 +185,30 @@ def _backward_op(handle: torch.Tensor, dout: torch.Tensor, dlse: Optional[torch.
 
 @_backward_op.register_fake
 def _(handle, dout, dlse, shapes, grads):
-    return [dout.new_empty(shapes[i * 4:(i + 1) * 4]) for i in range(3)]
+    grads_qkv = [dout.new_empty(shapes[i * 4:(i + 1) * 4]) for i in range(3)]
+    return grads_qkv + [dout.new_empty(shapes[12:-1], dtype=_DTYPES[shapes[-1]]) if len(shapes) > 13
+                        else dout.new_empty((0,))]
+
+
+_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v = inputs[:3]
-    flags = inputs[11]
+    q, k, v, sinks = inputs[:4]
+    flags = inputs[12]
     ctx.shapes = list(q.shape) + list(k.shape) + list(v.shape)
-    ctx.grads = list(flags[:3])
+    if sinks is not None:       # its shape, then its dtype's index in _DTYPES
+        ctx.shapes += list(sinks.shape) + [_DTYPES.index(sinks.dtype)]
+    ctx.grads = list(flags[:4])
+    ctx.has_sinks = sinks is not None
     ctx.save_for_backward(output[2])
 
 
 def _backward(ctx, dout, dlse, dhandle):
     (handle,) = ctx.saved_tensors
-    dq, dk, dv = torch.ops.cp_softcap.attention_backward(handle, dout, dlse, ctx.shapes, ctx.grads)
-    return (dq, dk, dv) + (None,) * 11
+    dq, dk, dv, ds = torch.ops.cp_softcap.attention_backward(handle, dout, dlse, ctx.shapes,
+                                                             ctx.grads)
+    return (dq, dk, dv, ds if ctx.has_sinks else None) + (None,) * 11
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -202,16 +217,16 @@ _attention_op.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------- entry points
 
 def compiled_attention(q, k, v, *, group_names_: str, comm: str, backend, softcap, causal,
-                       window, scale, cu_seqlens, one_device: bool):
+                       window, scale, cu_seqlens, one_device: bool, sinks=None):
     """(out, lse) through the operators; lse is empty for a CP call. Called while dynamo traces."""
     grad = torch.is_grad_enabled()
-    grads = [grad and t.requires_grad for t in (q, k, v)]
+    grads = [grad and t is not None and t.requires_grad for t in (q, k, v, sinks)]
     left, right = window if window is not None else (None, None)
     cu, layout, lw, lc = _boundaries(cu_seqlens)
     flags = grads + [softcap is not None, scale is not None, left is not None, right is not None,
                      one_device, layout]
     out, lse, _ = torch.ops.cp_softcap.attention(
-        q, k, v, cu, group_names_, comm, backend_key(backend),
+        q, k, v, sinks, cu, group_names_, comm, backend_key(backend),
         0.0 if softcap is None else float(softcap), bool(causal),
         [0 if left is None else int(left), 0 if right is None else int(right)],
         0.0 if scale is None else float(scale), flags, lw, lc)

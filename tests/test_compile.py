@@ -47,6 +47,23 @@ def test_attention_compiled_equals_eager(packed):
     assert not compiled._LIVE
 
 
+def test_sinks_compiled_equal_eager():
+    sinks = torch.tensor([6.0, -1.0, 9.0, 0.5], dtype=torch.float64, requires_grad=True)
+
+    def attend(q, k, v, cu):
+        return cps.attention(q, k, v, softcap=3.0, window=(7, 0), return_lse=True,
+                             cu_seqlens=cu, sinks=sinks)
+
+    fn = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    results = []
+    for f in (fn, attend):
+        sinks.grad = None
+        results.append(_run(f, 5, torch.tensor([0, 9, S])) + [sinks.grad.clone()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b), (a - b).abs().max()
+    assert results[0][-1].abs().max() > 0
+
+
 def test_layer_without_group_compiles():
     layer = cps.CPAttention(None, softcap=2.0)
     fn = torch.compile(layer, fullgraph=True, backend="aot_eager")

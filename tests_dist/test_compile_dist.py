@@ -34,15 +34,16 @@ def _block_parts(world, case, dtype=torch.float64):
 
 
 class Block(torch.nn.Module):
-    def __init__(self, qkv, proj, attn):
+    def __init__(self, qkv, proj, attn, sinks=None):
         super().__init__()
         self.qkv, self.proj, self.attn = qkv, proj, attn
+        self.sinks = sinks          # gpt-oss's learned attention-sink logits, or None
 
     def forward(self, x, cu=None):
         b, s = x.shape[:2]
         q, k, v = self.qkv(x).split([H * D, HKV * D, HKV * D], dim=-1)
         out = self.attn(q.view(b, s, H, D), k.view(b, s, HKV, D), v.view(b, s, HKV, D),
-                        cu_seqlens=cu)
+                        cu_seqlens=cu, sinks=self.sinks)
         return self.proj(out.reshape(b, s, H * D))
 
 
@@ -109,7 +110,10 @@ class CheckpointedBlock(Block):
 def _build(world, case):
     cls = CheckpointedBlock if case.get("mode") == "checkpoint_inside" else Block
     dtype = torch.float32 if case.get("mode") == "autocast" else torch.float64
-    block = cls(*_block_parts(world, case, dtype))
+    sinks = None
+    if case.get("sinks"):
+        sinks = torch.nn.Parameter(torch.tensor([8.0, -2.0, 0.5, 11.0], dtype=dtype))
+    block = cls(*_block_parts(world, case, dtype), sinks)
     if case.get("mode") == "fsdp":
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.device_mesh import init_device_mesh
@@ -158,7 +162,8 @@ def _cases_worker(rank, world, cases):
 # Grouped so that each group is one launch of its ranks (CI time).
 GROUPS = {
     "comms": (2, [{"comm": "ring"}, {"comm": "all_gather", "window": (9, 0)}, {"comm": "a2a"},
-                  {"comm": "auto", "window": (5, 0)}]),
+                  {"comm": "auto", "window": (5, 0)}, {"comm": "ring", "sinks": True},
+                  {"comm": "a2a", "sinks": True, "packed": "tensor"}]),
     "cp4": (4, [{"comm": "ring", "window": (9, 0)}, {"comm": "a2a+p2p", "seq": 64}]),
     "packed": (2, [{"comm": "ring", "packed": "tensor", "steps": 4},
                    {"comm": "all_gather", "packed": "tensor", "window": (6, 0)},
