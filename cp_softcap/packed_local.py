@@ -53,10 +53,11 @@ def save_for_local_backward(ctx, plan, q, k, v, out, lse):
     return out.to(q.dtype), lse
 
 
-def saved_for_local_backward(ctx, dout):
+def saved_for_local_backward(ctx, dout, saved=None):
     """(q, k, v, out, lse, dout) of save_for_local_backward, dout contiguous (zeros when the
-    output was unused)."""
-    q, k, v, out, lse = ctx.saved_tensors
+    output was unused). saved: ctx.saved_tensors when the caller already unpacked them (they
+    may be unpacked once only, e.g. under activation checkpointing)."""
+    q, k, v, out, lse = ctx.saved_tensors if saved is None else saved
     if dout is None:
         dout = torch.zeros(out.shape, dtype=q.dtype, device=q.device)
     return q, k, v, out, lse, dout.contiguous()
@@ -93,9 +94,10 @@ class PackedAttention(torch.autograd.Function):
     @staticmethod
     @autocast_off
     def backward(ctx, dout, dlse):
-        dsinks = None
-        if len(ctx.saved_tensors) == 6:             # with sinks
-            q, k, v, out, lse, sinks = ctx.saved_tensors
+        dsinks, saved = None, ctx.saved_tensors        # unpacked once (checkpointing)
+        with_sinks = len(saved) == 6
+        if with_sinks:
+            q, k, v, out, lse, sinks = saved
             if dout is None:
                 dout = torch.zeros(out.shape, dtype=q.dtype, device=q.device)
             dout = dout.contiguous()
@@ -103,14 +105,14 @@ class PackedAttention(torch.autograd.Function):
                 dsinks = sink_grad(sink_rows(dout, out, lse, sinks, dlse), sinks)
             dout, out, dlse = ctx.plan.kernel.prepare_backward(dout, out, dlse, q.dtype)
         else:
-            q, k, v, out, lse, dout = saved_for_local_backward(ctx, dout)
+            q, k, v, out, lse, dout = saved_for_local_backward(ctx, dout, saved)
         spec, kernel, calls = ctx.plan.spec, ctx.plan.kernel, ctx.calls
         own = kernel.partial_dtype(q.dtype)
         dq, dk, dv = (GradAccumulator(x.shape, own, x.device) for x in (q, k, v))
         backward_into(kernel, dout, q, k, v, out, lse, dlse, calls, spec.scale, spec.softcap,
                       dq, dk, dv)
         grads = dq.result().to(q.dtype), dk.result().to(k.dtype), dv.result().to(v.dtype)
-        if len(ctx.saved_tensors) == 6:
+        if with_sinks:
             if torch.is_grad_enabled():     # create_graph=True: the final (O', L') are constants here
                 grads = refuse_second_order(grads + (dsinks,), (q, k, v, sinks), SINKS_SECOND_ORDER)
                 return grads[:3] + (None, None, grads[3])

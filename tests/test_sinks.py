@@ -141,3 +141,20 @@ def test_spec_records_presence_only():
     assert with_sinks.spec.sinks and not local_plan_for(q, k, v, **kw).spec.sinks
     assert local_plan_for(q, k, v, sinks=sinks * 2, **kw) is with_sinks
     assert TOLERANCES[F64]["out"] < 1e-9
+
+
+@pytest.mark.parametrize("cu", [None, [0, 5, 6, 17, 20]])
+@pytest.mark.parametrize("sinks_on", [True, False])
+def test_under_activation_checkpointing(cu, sinks_on):
+    """Saved tensors are unpacked once per backward (checkpointing refuses a second unpack)."""
+    from torch.utils.checkpoint import checkpoint
+    q, k, v, sinks, dout = _inputs(16)
+    s = sinks if sinks_on else None
+    fn = lambda q, k, v, s: cps.attention(q, k, v, sinks=s, softcap=5.0, cu_seqlens=cu)  # noqa: E731
+    checkpoint(fn, q, k, v, s, use_reentrant=False).backward(dout)
+    got = [t.grad.clone() for t in (q, k, v) + ((sinks,) if sinks_on else ())]
+    for t in (q, k, v, sinks):
+        t.grad = None
+    fn(q, k, v, s).backward(dout)
+    for a, t in zip(got, (q, k, v, sinks)):
+        assert torch.equal(a, t.grad)

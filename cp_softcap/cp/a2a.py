@@ -113,13 +113,14 @@ def a2a_backward(ctx, dout, attend_backward):
     """Adjoint of a2a_forward; attend_backward(douth, qh, kh, vh, out, lse, plan) -> grads.
     With sinks, ctx.dsinks is the sink gradient [Hq] of THIS rank's own rows (sequence shard),
     every head: each row's term travels back to its owner with the adjoint all-to-all."""
-    qh, kh, vh, out, lse = ctx.saved_tensors[:5]
+    saved = ctx.saved_tensors           # unpacked once (activation checkpointing allows no more)
+    qh, kh, vh, out, lse = saved[:5]
     plan = ctx.plan
     heads, spec = plan.heads, plan.spec
     zz = heads.zigzag_order
     douth = seq_to_heads(dout, heads.group, heads.q_index, "a2a.bwd.dout", zz)
-    if len(ctx.saved_tensors) == 6:     # sinks: the same message on every rank of the group
-        sinks = ctx.saved_tensors[5]
+    if len(saved) == 6:                 # sinks: the same message on every rank of the group
+        sinks = saved[5]
         rows = sink_rows(douth, out, lse, _my_sinks(sinks, heads))        # [B, h, S_group]
         rows = heads_to_seq_sum(rows.transpose(1, 2).unsqueeze(-1).contiguous(), heads.group,
                                 heads.q_index, spec.num_heads, "a2a.bwd.dsinks", zz)
