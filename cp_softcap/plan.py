@@ -409,7 +409,7 @@ def _call_key(q, k, v, call: tuple, options: tuple, cu_seqlens, sinks=None) -> O
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (sinks is not None and sinks.requires_grad))
     if sinks is not None:
-        if type(sinks) is not torch.Tensor:
+        if not isinstance(sinks, torch.Tensor):     # an nn.Parameter (the usual case) is keyed
             return None
         call = call + ("sinks",)
     return (docs, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
