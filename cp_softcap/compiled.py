@@ -239,7 +239,7 @@ def _boundaries(cu_seqlens):
         return None, False, [], True
     if isinstance(cu_seqlens, PackedLayout):
         flat = [x for w in cu_seqlens.windows for x in _flat_window(w)]
-        return torch.tensor(cu_seqlens.cu_seqlens, dtype=torch.int64), True, flat, True
+        return cu_seqlens.boundaries, True, flat, True
     if isinstance(cu_seqlens, torch.Tensor):
         return cu_seqlens, False, [], True
     return torch.tensor(list(cu_seqlens), dtype=torch.int64), False, [], True

@@ -263,7 +263,9 @@ class PackedLayout:
     cp: ranks; windows: the layer windows the balance was computed for (causal: ((None, 0),));
     chunk: tokens per chunk; chunks[r]: global chunk indices of rank r, ascending (rank r's
     local tokens are these chunks concatenated); rank_area[w][r]: visible (q, k) pairs of rank
-    r's queries under windows[w]."""
+    r's queries under windows[w]. `boundaries` holds cu_seqlens as a CPU int64 tensor: what a
+    compiled model reads (its values are data to torch.compile, where a tuple would be
+    constants that recompile)."""
     cu_seqlens: Tuple[int, ...]
     seq_len: int
     cp: int
@@ -272,10 +274,12 @@ class PackedLayout:
     chunks: Tuple[Tuple[int, ...], ...]
     rank_area: Tuple[Tuple[int, ...], ...]
     signature: int = field(default=0)
+    boundaries: Optional[torch.Tensor] = field(default=None, repr=False)
 
     def __post_init__(self):
         key = (cu_hash(self.cu_seqlens), self.seq_len, self.cp, self.windows, self.chunk, self.chunks)
         object.__setattr__(self, "signature", cu_hash(list(_flatten(key))))
+        object.__setattr__(self, "boundaries", torch.tensor(self.cu_seqlens, dtype=torch.int64))
 
     def __hash__(self) -> int:
         return self.signature

@@ -65,7 +65,9 @@ def parser(doc: str) -> Parser:
       "(FSDP2); needed for 9b/27b. Off: a full replica per rank, gradients all-reduced")
     a("--ac", default="none", choices=AC_MODES,
       help="activation checkpointing: full recomputes each layer in backward, selective its MLP half")
-    a("--compile", action="store_true", help="torch.compile the pieces of each layer around attention")
+    a("--compile", nargs="?", const="blocks", default=None, choices=("blocks", "pieces"),
+      help="torch.compile each decoder layer whole with fullgraph=True (blocks, the default), or "
+      "only the pieces around attention (pieces: attention eager between them)")
     a("--fused", default="auto", choices=CHOICES,
       help="RMSNorm, GEGLU, RoPE and the softcapped LM-head loss on Liger Kernel's fused GPU kernels: "
       "auto = on CUDA when liger_kernel imports (with --compile only the loss), liger = insist, "

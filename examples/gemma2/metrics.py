@@ -98,7 +98,7 @@ def describe(args, cfg, d, n_params: int, start: int) -> str:
             f"rank), batch {args.batch_size} per dp rank, comm {args.comm}"
             + (f" (a2a groups of {args.a2a_size})" if args.a2a_size else "")
             + (", FSDP2" if args.fsdp else "") + (f", ac {args.ac}" if args.ac != "none" else "")
-            + (", compiled" if args.compile else "") + (f", resumed from step {start}" if start else ""))
+            + (f", compiled ({args.compile})" if args.compile else "") + (f", resumed from step {start}" if start else ""))
 
 
 def layer_specs(cfg, cp: int, args, device_type: str, dtype: torch.dtype) -> list:

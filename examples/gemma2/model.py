@@ -147,9 +147,9 @@ class DecoderLayer(nn.Module):
     `ac` picks what backward recomputes instead of keeping (torch.utils.checkpoint,
     use_reentrant=False): "none"; "full", the whole layer (its CP attention, collectives included,
     runs again); "mlp", the feed-forward half only (attention's activations are kept, so backward
-    never reruns attention or its collectives). The three pieces around attention
-    (pre_attention, post_attention, feed_forward) are what --compile compiles, so attention stays
-    outside every compiled graph.
+    never reruns attention or its collectives). --compile compiles the whole layer (attention is
+    one opaque operator in its graph), or with --compile pieces the three pieces around
+    attention (pre_attention, post_attention, feed_forward).
     """
 
     def __init__(self, cfg: Gemma2Config, layer: int, cp_group, comm: str, backend: str):

@@ -1,5 +1,5 @@
 """What is applied to the model before training, in this order (as torchtitan does): activation
-checkpointing, torch.compile of the pieces around attention, then FSDP2."""
+checkpointing, torch.compile of each decoder layer, then FSDP2."""
 from __future__ import annotations
 
 import torch
@@ -21,13 +21,25 @@ def apply_ac(model, mode: str) -> None:
         layer.ac = per_layer
 
 
-def apply_compile(model) -> None:
-    """torch.compile each decoder layer's pieces around attention (norms, projections, RoPE, the
-    MLP, residuals). CPAttention itself runs eagerly between them: its autograd.Function talks to
-    the other CP ranks, which a compiled graph must not reorder or drop."""
+COMPILE_MODES = ("blocks", "pieces")
+
+
+def apply_compile(model, mode: str = "blocks", backend: str = "inductor") -> None:
+    """--compile: "blocks" (the default) compiles each decoder layer whole with fullgraph=True, as
+    torchtitan does; CPAttention runs inside the graph as one opaque operator of the library (its
+    collectives and kernels run as they do eagerly), so the compiler sees every other piece of
+    the layer at once. "pieces" compiles only the three pieces around attention
+    (pre_attention, post_attention, feed_forward), attention running eagerly between them: two
+    graph breaks per layer, kept for comparison. Module.compile compiles in place, so parameter
+    names (checkpoints, FSDP2) are unchanged. backend: torch.compile's (tests use "aot_eager")."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"--compile {mode!r}: choose one of {', '.join(COMPILE_MODES)}")
     for layer in model.model.layers:
-        for name in ("pre_attention", "post_attention", "feed_forward"):
-            setattr(layer, name, torch.compile(getattr(layer, name)))
+        if mode == "blocks":
+            layer.compile(fullgraph=True, backend=backend)
+        else:
+            for name in ("pre_attention", "post_attention", "feed_forward"):
+                setattr(layer, name, torch.compile(getattr(layer, name), backend=backend))
 
 
 def apply_fsdp(model, d: Dist, compute_dtype: torch.dtype = torch.float32) -> None:

@@ -75,6 +75,10 @@ def packed_loss_and_grads(model, inp: torch.Tensor, lab: torch.Tensor, cu_seqlen
                                               pad_value=pad).to(d.device)
     ids, labels = shard(inp, 0), shard(lab, -100)
     pos = cps.sharding.positions(inp.shape[1], d.cp, d.cp_rank, d.device, cu_seqlens=cu_seqlens)[None]
+    if isinstance(cu_seqlens, (list, tuple)):
+        # a tensor: its values are data to a compiled layer (a list would be constants there,
+        # recompiling for every new number of documents)
+        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
     return _step(model, ids, pos, labels, count_valid(lab, d), d, autocast, cu_seqlens=cu_seqlens)
 
 

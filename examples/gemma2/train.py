@@ -71,7 +71,7 @@ def build(args, cfg, d: parallel.Dist):
     fused.apply(model, fused.choose(args.fused, d.device.type, args.compile))
     parallelize.apply_ac(model, args.ac)
     if args.compile:
-        parallelize.apply_compile(model)
+        parallelize.apply_compile(model, args.compile)
     if args.fsdp:
         parallelize.apply_fsdp(model, d, getattr(torch, flags.compute_dtype(args)))
         model.to_empty(device=d.device)
