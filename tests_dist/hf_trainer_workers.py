@@ -75,9 +75,11 @@ def record(trainer, out_dir: str, name: str) -> None:
     if trainer.args.process_index != 0:
         return
     steps = [h for h in trainer.state.log_history if "loss" in h]
+    from torch._dynamo.utils import counters
     with open(os.path.join(out_dir, name + ".json"), "w") as f:
         json.dump({"losses": [h["loss"] for h in steps], "grad_norms": [h["grad_norm"] for h in steps],
-                   "eval_loss": metrics["eval_loss"]}, f)
+                   "eval_loss": metrics["eval_loss"],
+                   "graphs": counters["stats"]["unique_graphs"]}, f)
     torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
                os.path.join(out_dir, name + ".pt"))
 
@@ -102,14 +104,19 @@ def cp_runs(out_dir: str) -> None:
             ("dp2_cp2_ring_packed", 2, "ring", {"collator": flatten}),
             ("dp1_cp4_all_gather_packed", 4, "all_gather", {"collator": flatten}),
             ("dp2_cp2_ring_per_rank", 2, "ring", {"per_rank": True}),
-            ("dp2_cp2_ring_no_boundaries", 2, "ring", {"collator": boundaries_dropped})]
+            ("dp2_cp2_ring_no_boundaries", 2, "ring", {"collator": boundaries_dropped}),
+            # torch_compile=True: the model compiled by Trainer (aot_eager here: inductor's C++
+            # compile of every graph would dominate CI; the library's operators are the same)
+            ("dp2_cp2_ring_packed_compiled", 2, "ring", {"collator": flatten, "compile": True})]
     with tempfile.TemporaryDirectory() as tmp:
         targs = args(tmp, PER_DEVICE)
         meshes = {cp: cp_mesh(cp) for cp in (2, 4)}
         for name, cp, comm, control in runs:
             mesh = meshes[cp]
             train, evaluation = data(mesh.size(0), packed="collator" in control)
-            trainer = sequential(CPTrainer)(model=model("cp_softcap"), args=targs, cp_mesh=mesh,
+            run_args = (args(tmp, PER_DEVICE, torch_compile=True, torch_compile_backend="aot_eager")
+                        if control.get("compile") else targs)
+            trainer = sequential(CPTrainer)(model=model("cp_softcap"), args=run_args, cp_mesh=mesh,
                                             cp_comm=comm, data_collator=control.get("collator"),
                                             train_dataset=train, eval_dataset=evaluation)
             if control.get("per_rank"):      # negative control: each rank's loss over its own tokens

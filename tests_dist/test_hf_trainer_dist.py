@@ -3,7 +3,8 @@ Trainer run in one process without CP (HF's eager attention in float64): dp 2 x 
 dp 1 x cp 4 a2a in float32 end with the same logged losses, grad norms, eval loss and weights
 (1e-5 relative), and so do packed batches (DataCollatorWithFlattening) at dp 2 x cp 2 ring and
 dp 1 x cp 4 all_gather against padded rows of the same documents, a dp 2 x cp 2 run resumed
-from a step-2 checkpoint, and one reading an IterableDataset; with Trainer's shuffling, CP peers
+from a step-2 checkpoint, one reading an IterableDataset, and a packed one with
+Trainer(torch_compile=True); with Trainer's shuffling, CP peers
 read the same batches; negative controls (each rank's loss normalised by its own tokens, packed
 documents without their boundaries) do not match; the example runs. One single-process
 reference and one torchrun of 4 CPU ranks (tests_dist/hf_trainer_workers.py), started together.
@@ -44,9 +45,12 @@ def errors(run, ref) -> dict:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name,dp", [("dp2_cp2_ring", 2), ("dp1_cp4_a2a", 1), ("dp2_cp2_ring_resumed", 2),
                                      ("dp2_cp2_ring_packed", 2), ("dp1_cp4_all_gather_packed", 1),
-                                     ("dp2_cp2_ring_iterable", 2)])
+                                     ("dp2_cp2_ring_iterable", 2),
+                                     ("dp2_cp2_ring_packed_compiled", 2)])
 def test_matches_one_process_trainer(runs, name, dp):
     load, _ = runs
+    if name.endswith("_compiled"):
+        assert load(name)[0]["graphs"] > 0         # Trainer(torch_compile=True) compiled the model
     err = errors(load(name), load(f"ref_dp{dp}"))
     assert max(err.values()) <= TOL, err
     init, trained = _initial_weights(), load(name)[1]
