@@ -145,7 +145,6 @@ def one_device_with_sinks(q, k, v, plan, sinks: torch.Tensor):
     return PackedAttention.apply(q, k, v, plan, calls, sinks)
 
 
-@torch.compiler.disable      # eager inside torch.compile too (a graph break), never sink-less
 def attention_with_sinks(q, k, v, sinks, *, softcap, causal, window, scale, backend,
                          return_lse: bool = False, cu_seqlens=None):
     """cps.attention(..., sinks=sinks): planned and run on one device (see sinks.py)."""

@@ -92,7 +92,6 @@ SINK_ALGORITHMS = {
 }
 
 
-@torch.compiler.disable      # eager inside torch.compile too (a graph break), never sink-less
 def cp_attention_with_sinks(q, k, v, group, sinks, *, softcap, causal, window, scale, comm,
                             backend, cu_seqlens=None) -> torch.Tensor:
     """cps.cp_attention(..., sinks=sinks): planned (the ranks compare the sinks' presence) and
