@@ -474,6 +474,11 @@ def is_exporting() -> bool:
     except Exception:  # pragma: no cover  (very old/new torch without the flag module)
         pass
     compiler = getattr(torch, "compiler", None)
+    flag = getattr(compiler, "_is_exporting_flag", None)
+    if isinstance(flag, bool):
+        # the flag itself: some torch releases (2.11 among them) fold torch.compiler.is_exporting()
+        # to True inside ANY torch.compile trace, which would send compiled calls to the export math
+        return flag
     fn = getattr(compiler, "is_exporting", None)
     return bool(fn()) if fn is not None else False
 

@@ -120,3 +120,20 @@ def test_export_still_traces_plain_ops():
     names = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     assert not any("cp_softcap" in n for n in names), names
     assert torch.allclose(ep.module()(q, k, v), M()(q, k, v), atol=1e-5)
+
+
+def test_compile_is_not_taken_for_export(monkeypatch):
+    """Some torch releases (2.11) answer torch.compiler.is_exporting() True inside any
+    torch.compile trace; the compiled call must still run the selected kernel through the
+    library's operator, never the export math."""
+    from cp_softcap import api
+
+    def refuse(*a, **k):
+        raise AssertionError("the export math ran under torch.compile")
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
+    monkeypatch.setattr(api, "export_attention", refuse)
+    torch._dynamo.reset()
+    fn = torch.compile(_attend, fullgraph=True, backend="aot_eager")
+    got, want = _run(fn, 4), _run(_attend, 4)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
