@@ -2,8 +2,8 @@
 opaque, so a block holding CPAttention compiles whole (`fullgraph=True` included) and the
 library's Python (plan, cross-rank check, collectives, kernel calls) runs eagerly inside them.
 
-    cp_softcap::attention           (q, k, v, options...) -> (out, lse, handle)
-    cp_softcap::attention_backward  (handle, dout, dlse, shapes) -> (dq, dk, dv)
+    cp_softcap::attention           (q, k, v, sinks, cu_seqlens, options...) -> (out, lse, handle)
+    cp_softcap::attention_backward  (handle, dout, dlse, shapes, grads) -> [dq, dk, dv, dsinks]
 
 The forward operator runs the very call an eager model makes (api.cp_attention or
 api.attention, the same autograd.Function and kernels: compiled and eager results are bitwise
