@@ -22,6 +22,9 @@ def _block_parts(world, case, dtype=torch.float64):
     torch.manual_seed(0)
     if case.get("comm") == "a2a+p2p":
         group = cps.make_hybrid_groups(dist.group.WORLD, 2)
+    elif case.get("mesh"):
+        from torch.distributed.device_mesh import init_device_mesh
+        group = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"]
     else:
         group = dist.group.WORLD
     qkv = torch.nn.Linear(H * D, (H + 2 * HKV) * D, dtype=dtype)
@@ -165,7 +168,8 @@ def _cases_worker(rank, world, cases):
 GROUPS = {
     "comms": (2, [{"comm": "ring"}, {"comm": "all_gather", "window": (9, 0)}, {"comm": "a2a"},
                   {"comm": "auto", "window": (5, 0)}, {"comm": "ring", "sinks": True},
-                  {"comm": "a2a", "sinks": True, "packed": "tensor"}]),
+                  {"comm": "a2a", "sinks": True, "packed": "tensor"},
+                  {"comm": "all_gather", "mesh": True}]),
     "cp4": (4, [{"comm": "ring", "window": (9, 0)}, {"comm": "a2a+p2p", "seq": 64}]),
     "packed": (2, [{"comm": "ring", "packed": "tensor", "steps": 4},
                    {"comm": "all_gather", "packed": "tensor", "window": (6, 0)},
