@@ -132,7 +132,7 @@ def noise_bounds():
 
 
 def neftune_args(tmp: str):
-    return sft_args(tmp, 1, NEFTUNE_CASE, neftune_noise_alpha=NEFTUNE_ALPHA)
+    return sft_args(tmp, 1, NEFTUNE_CASE, neftune_noise_alpha=NEFTUNE_ALPHA, max_steps=2)
 
 
 def reference(out_dir: str) -> None:
@@ -191,6 +191,14 @@ def cp_runs(out_dir: str) -> None:
             trainer.train()
             trainer.args.average_tokens_across_devices = True
             record(trainer, out_dir, f"{case}_{control}")
+        # SFTConfig(torch_compile=True): the model compiled by the trainer (aot_eager here, as in
+        # hf_trainer_workers.py), padding-free rows at dp 2 x cp 2
+        case = "padfree_full"
+        trainer = sft(CPSFTTrainer, model(), sft_args(tmp, 1, case, torch_compile=True,
+                                                     torch_compile_backend="aot_eager"), case,
+                      cp_mesh=meshes[CASES[case][1]], cp_comm=CASES[case][2])
+        trainer.train()
+        record(trainer, out_dir, f"{case}_compiled")
         train, evaluation = plain_data()
         trainer = CPTrainer(model=HW.model("cp_softcap"), args=plain_args(tmp, 4), cp_mesh=meshes[4],
                             data_collator=transformers.DataCollatorWithFlattening(), train_dataset=train,
