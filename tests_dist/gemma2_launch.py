@@ -113,7 +113,8 @@ def reference_and_cp(workers: str, out: str, what: str):
 
     ref = start([sys.executable, workers, "ref", out])
     cp = start(torchrun_args(4) + [workers, "cp", out])
-    _, cp_out = finish([ref, cp], timeout=240, what=what)
+    # a hang guard, not a speed check: each run also compiles a model (torch_compile=True)
+    _, cp_out = finish([ref, cp], timeout=420, what=what)
 
     def load(name):
         with open(os.path.join(out, name + ".json")) as f:

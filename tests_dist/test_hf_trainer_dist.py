@@ -42,7 +42,7 @@ def errors(run, ref) -> dict:
             "weights": max(rel(weights[k], ref_weights[k]) for k in ref_weights)}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("name,dp", [("dp2_cp2_ring", 2), ("dp1_cp4_a2a", 1), ("dp2_cp2_ring_resumed", 2),
                                      ("dp2_cp2_ring_packed", 2), ("dp1_cp4_all_gather_packed", 1),
                                      ("dp2_cp2_ring_iterable", 2),
@@ -57,7 +57,7 @@ def test_matches_one_process_trainer(runs, name, dp):
     assert max(rel(trained[k], init[k]) for k in init) > 1e-3      # the weights were trained
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("name", ["dp2_cp2_ring_per_rank", "dp2_cp2_ring_no_boundaries"])
 def test_negative_controls_fail(runs, name):
     """The loss normalised by each rank's own tokens; packed documents without their boundaries."""
@@ -66,7 +66,7 @@ def test_negative_controls_fail(runs, name):
     assert err["losses"] > 1e-3 and err["weights"] > 1e-3, err
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_shuffled_batches_agree_within_cp_groups(runs):
     _, out = runs
     with open(os.path.join(out, "shuffled.json")) as f:
@@ -77,7 +77,7 @@ def test_shuffled_batches_agree_within_cp_groups(runs):
     assert any(cu[0] != cu[2] for cu in steps)             # dp groups: different batches
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_trainer_refusals(runs):
     _, out = runs
     with open(os.path.join(out, "refusals.json")) as f:

@@ -46,7 +46,7 @@ def errors(run, ref, keys=STEP_KEYS, eval_metrics=False) -> dict:
     return err
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("case", list(CASES))
 def test_sft_matches_one_process(runs, case):
     load, _ = runs
@@ -57,7 +57,7 @@ def test_sft_matches_one_process(runs, case):
     assert max(rel(load(case)[1][k], init[k]) for k in init) > 1e-3      # the weights were trained
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_sft_compiled_matches_one_process(runs):
     """SFTConfig(torch_compile=True) with padding-free rows at dp 2 x cp 2 ring."""
     load, _ = runs
@@ -65,7 +65,7 @@ def test_sft_compiled_matches_one_process(runs):
     assert max(err.values()) <= TOL, err
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_sft_resumed_from_checkpoint(runs):
     load, _ = runs
     run, ref = load("packed_completion_resumed"), load("ref_packed_completion")
@@ -76,7 +76,7 @@ def test_sft_resumed_from_checkpoint(runs):
     assert run[0]["steps"][-1]["num_tokens"] == tokens[2] - tokens[1]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("name,ref", [("packed_assistant_no_boundaries", "packed_assistant"),
                                       ("packed_completion_per_rank", "packed_completion")])
 def test_sft_negative_controls_fail(runs, name, ref):
@@ -85,7 +85,7 @@ def test_sft_negative_controls_fail(runs, name, ref):
     assert err["loss"] > 1e-3 and err["weights"] > 1e-4, err
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_cptrainer_dp1_partial_last_batch_and_tokens_seen(runs):
     """CPTrainer, dp 1 x cp 4: 18 shuffled packed documents at batch 4 (a partial last batch),
     eval 7 at batch 2: the same batches, losses, num_input_tokens_seen (real tokens, not the
@@ -97,7 +97,7 @@ def test_cptrainer_dp1_partial_last_batch_and_tokens_seen(runs):
     assert max(err.values()) <= 1e-5, err           # float32 CP against a float64 reference
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_sft_refusals(runs):
     _, out = runs
     with open(os.path.join(out, "refusals.json")) as f:
@@ -113,7 +113,7 @@ def _initial_weights():
     return W.model("eager").state_dict()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_neftune_noise_has_the_one_process_bound(runs):
     """neftune_noise_alpha at dp 1 x cp 4: every rank bounds its uniform embedding noise by
     alpha / sqrt(L * d) with L the batch's global length, the bound one process draws with for the
