@@ -19,7 +19,8 @@ from .cp.a2a_p2p import A2AP2PAttention
 from .cp.all_gather import AllGatherAttention
 from .cp.guard import autocast_off
 from .cp.ring import RingAttention
-from .compiled import compiled_attention, group_names
+from .compiled import compiled_attention, group_names, register_kernel
+from .kernels.base import Kernel
 from .export import export_attention
 from .packed_local import (packed_attention, save_for_local_backward, saved_for_local_backward,
                            second_order_safe)
@@ -206,6 +207,8 @@ class CPAttention(torch.nn.Module):
         self.window = normalize_window(window, causal)
         check_comm(comm)
         check_backend(backend)
+        if isinstance(backend, Kernel):
+            register_kernel(backend)        # usable inside torch.compile (compiled.py)
         check_group(cp_group, comm)
         self.cp_group, self.causal, self.scale = cp_group, causal, scale
         self.comm, self.backend = comm, backend

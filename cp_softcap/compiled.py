@@ -10,9 +10,12 @@ api.attention, the same autograd.Function and kernels: compiled and eager result
 equal) on inputs of its own, and keeps that call's autograd graph under an integer handle; the
 backward operator runs the graph's backward. The handle is a 0-d int64 CPU tensor: the compiler
 saves it for the backward like any activation, so activation checkpointing (eager
-torch.utils.checkpoint around a compiled block, or checkpointing inside it) discards and
-recomputes it like the rest. A graph whose handle is gone (its backward ran, or the saved
-activations were dropped) is freed at the next attention call.
+torch.utils.checkpoint around a compiled block, or checkpointing inside it) drops it and
+recomputes the call like the rest. A kept graph is freed by its backward, or, when its handle's
+memory is gone (checkpointing dropped it, or no backward follows), at the next attention call:
+until then it holds one call's attention state. A saved-tensor hook that COPIES saved tensors
+(torch.autograd.graph.save_on_cpu(pin_memory=True), compression, offload to disk) copies the
+handle too, and the graph is freed before its backward: that backward raises an error saying so.
 
 The inputs are copied into the operator: the compiler reuses the memory of tensors it
 considers dead after their last use in the graph, and the kept graph would otherwise hold
@@ -21,11 +24,13 @@ views of memory overwritten before its backward. The copy is what eager autograd
 
 Everything the compiler sees as an argument is a tensor, an int, a float, a bool or a string:
 the process group travels by its registered name (as torch's functional collectives pass it),
-a backend Kernel instance by a registered key, packed boundaries as a tensor. What recompiles:
-dynamo guards on the Python values of the options (softcap, window, comm, ...), which are fixed
-per layer; boundaries given as a list (or a PackedLayout) are Python values too, so a new list
-recompiles, while a `cu_seqlens` tensor of a new length recompiles once (dynamic after that)
-and new values never do.
+a backend Kernel instance by a key registered outside the compiled region (CPAttention does it
+when built; or register_kernel), packed boundaries as a tensor (a PackedLayout: its
+`boundaries` tensor and its layer windows; the operator rebuilds the same layout). What
+recompiles: dynamo guards on the Python values of the options (softcap, window, comm, ...),
+which are fixed per layer; boundaries given as a list are Python values too, so a list of a
+new length recompiles, while a tensor (or a PackedLayout) of a new length recompiles once
+(dynamic after that) and new values never do.
 """
 from __future__ import annotations
 
@@ -66,17 +71,29 @@ def _groups(names: str, comm: str):
     return groups if comm == "a2a+p2p" else groups[0]
 
 
+def register_kernel(kernel: Kernel) -> None:
+    """Make a Kernel instance usable as backend= inside torch.compile (call it outside the
+    compiled region; CPAttention(backend=kernel) does). Registered instances are kept."""
+    _KERNELS[f"kernel:{id(kernel)}"] = kernel
+
+
 def backend_key(backend) -> str:
-    """A backend as a string: its name, or a key under which a Kernel instance is kept."""
+    """A backend as a string: its name, or the key of a registered Kernel instance (a lookup:
+    registering while dynamo traces would happen only after the graph ran)."""
     if isinstance(backend, Kernel):
-        key = f"kernel:{id(backend)}"
-        _KERNELS[key] = backend
-        return key
+        return f"kernel:{id(backend)}"
     return backend
 
 
 def _backend(key: str):
-    return _KERNELS[key] if key.startswith("kernel:") else key
+    if not key.startswith("kernel:"):
+        return key
+    if key not in _KERNELS:
+        raise ValueError(
+            "cp_softcap: a Kernel instance passed as backend= inside torch.compile must be "
+            "registered outside the compiled region first: build CPAttention(..., backend=kernel) "
+            "there, or call cp_softcap.compiled.register_kernel(kernel); or pass the kernel's name")
+    return _KERNELS[key]
 
 
 def _window(left: int, right: int, has_left: bool, has_right: bool):
@@ -105,8 +122,10 @@ def _take(handle: torch.Tensor):
     if entry is None:
         raise RuntimeError(
             "cp_softcap: backward through compiled attention ran twice for one forward "
-            "(retain_graph=True), or after its graph was freed; the compiled attention supports "
-            "one backward per forward, as the compiled graph around it does by default")
+            "(retain_graph=True), or after its graph was freed because a saved-tensor hook copied "
+            "the activations (e.g. torch.autograd.graph.save_on_cpu(pin_memory=True)); the "
+            "compiled attention supports one backward per forward and saved-tensor hooks that "
+            "keep the saved tensors themselves (activation checkpointing does)")
     return entry[1]
 
 
@@ -116,7 +135,7 @@ def _take(handle: torch.Tensor):
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   sinks: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], groups: str, comm: str, backend: str,
                   softcap: float, causal: bool, window: List[int], scale: float,
-                  flags: List[bool], layout_windows: List[int], layout_causal: bool
+                  flags: List[bool], layout_windows: List[int]
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """flags: (q, k, v, sinks need gradients, softcap given, scale given, window left / right
     given, one device with return_lse, boundaries form a PackedLayout)."""
@@ -134,14 +153,14 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if cu_seqlens is not None:
         cu = [int(x) for x in cu_seqlens.tolist()]
         if layout:
-            cu = _layout(cu, q.shape[1], groups, comm, layout_windows, layout_causal)
+            cu = _layout(cu, q.shape[1], groups, layout_windows)
     with torch.enable_grad():
         if one_device:
             out, lse = attention(q, k, v, return_lse=True, cu_seqlens=cu, sinks=sinks, **options)
         else:
             out = cp_attention(q, k, v, _groups(groups, comm), comm=comm, cu_seqlens=cu,
                                sinks=sinks, **options)
-            lse = out.new_empty((0,), dtype=torch.float32)
+            lse = out.new_empty((0,), dtype=grad_dtype(q.dtype))       # the fake kernel's
     # fresh, contiguous outputs (the fake kernel's strides; never a view of what the graph keeps)
     fresh = [t.detach().clone(memory_format=torch.contiguous_format) for t in (out, lse)]
     if not any(grads) or not out.requires_grad:
@@ -151,7 +170,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @_attention_op.register_fake
 def _(q, k, v, sinks, cu_seqlens, groups, comm, backend, softcap, causal, window, scale, flags,
-      layout_windows, layout_causal):
+      layout_windows):
     b, s, hq = q.shape[:3]
     out = q.new_empty((b, s, hq, v.shape[-1]))
     one_device = flags[8]
@@ -222,27 +241,27 @@ def compiled_attention(q, k, v, *, group_names_: str, comm: str, backend, softca
     grad = torch.is_grad_enabled()
     grads = [grad and t is not None and t.requires_grad for t in (q, k, v, sinks)]
     left, right = window if window is not None else (None, None)
-    cu, layout, lw, lc = _boundaries(cu_seqlens)
+    cu, layout, lw = _boundaries(cu_seqlens)
     flags = grads + [softcap is not None, scale is not None, left is not None, right is not None,
                      one_device, layout]
     out, lse, _ = torch.ops.cp_softcap.attention(
         q, k, v, sinks, cu, group_names_, comm, backend_key(backend),
         0.0 if softcap is None else float(softcap), bool(causal),
         [0 if left is None else int(left), 0 if right is None else int(right)],
-        0.0 if scale is None else float(scale), flags, lw, lc)
+        0.0 if scale is None else float(scale), flags, lw)
     return out, lse
 
 
 def _boundaries(cu_seqlens):
-    """(boundaries tensor or None, from a PackedLayout, its windows flattened, its causal)."""
+    """(boundaries tensor or None, whether they come from a PackedLayout, its windows flattened)."""
     if cu_seqlens is None:
-        return None, False, [], True
+        return None, False, []
     if isinstance(cu_seqlens, PackedLayout):
         flat = [x for w in cu_seqlens.windows for x in _flat_window(w)]
-        return cu_seqlens.boundaries, True, flat, True
+        return cu_seqlens.boundaries, True, flat
     if isinstance(cu_seqlens, torch.Tensor):
-        return cu_seqlens, False, [], True
-    return torch.tensor(list(cu_seqlens), dtype=torch.int64), False, [], True
+        return cu_seqlens, False, []
+    return torch.tensor(list(cu_seqlens), dtype=torch.int64), False, []
 
 
 _NONE = -(1 << 62)
@@ -252,12 +271,14 @@ def _flat_window(w) -> Tuple[int, int]:
     return tuple(_NONE if x is None else int(x) for x in w)
 
 
-def _layout(cu: List[int], local_len: int, groups: str, comm: str, flat: List[int],
-            causal: bool) -> PackedLayout:
+def _layout(cu: List[int], local_len: int, groups: str, flat: List[int]) -> PackedLayout:
+    """The caller's PackedLayout again: packed_layout of the same boundaries, length, ranks and
+    layer windows. The windows are stored normalised, so they are passed as they are
+    (causal=False: nothing is re-normalised; a bidirectional layout stays bidirectional)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
     from .documents import packed_layout
     cp = 1
     for name in groups.split(" "):
         cp *= dist.get_world_size(_resolve_process_group(name))
     windows = [tuple(None if x == _NONE else x for x in flat[i:i + 2]) for i in range(0, len(flat), 2)]
-    return packed_layout(cu, local_len * cp, cp, causal=causal, layer_windows=windows)
+    return packed_layout(cu, local_len * cp, cp, causal=False, layer_windows=windows)

@@ -32,7 +32,8 @@ def _block_parts(world, case, dtype=torch.float64):
     with torch.no_grad():
         qkv.weight.mul_(4.0)          # scores well above 2 * cap: the cap saturates
     attn = cps.CPAttention(group, softcap=case.get("softcap", 2.0), window=case.get("window"),
-                           comm=case.get("comm", "ring"))
+                           comm=case.get("comm", "ring"), causal=case.get("causal", True),
+                           backend=case.get("kernel", "auto"))
     return qkv, proj, attn
 
 
@@ -63,7 +64,8 @@ def _boundaries(case, seq, step):
     if form == "list":
         return cu
     from cp_softcap.documents import packed_layout
-    return packed_layout(cu, seq, dist.get_world_size(), window=case.get("window"))
+    return packed_layout(cu, seq, dist.get_world_size(), window=case.get("window"),
+                         causal=case.get("causal", True))
 
 
 def _shard(x, world, rank, cu):
@@ -174,7 +176,9 @@ GROUPS = {
     "packed": (2, [{"comm": "ring", "packed": "tensor", "steps": 4},
                    {"comm": "all_gather", "packed": "tensor", "window": (6, 0)},
                    {"comm": "a2a", "packed": "list", "steps": 3},
-                   {"comm": "ring", "packed": "layout", "window": (6, 0), "steps": 4}]),
+                   {"comm": "ring", "packed": "layout", "window": (6, 0), "steps": 4},
+                   # bidirectional: the layout is balanced for full attention, kept as it is
+                   {"comm": "all_gather", "packed": "layout", "causal": False, "window": (3, 3)}]),
     "training": (2, [{"comm": "ring", "window": (9, 0), "mode": "autocast"},
                      {"comm": "a2a", "mode": "autocast"},
                      {"comm": "ring", "packed": "tensor", "mode": "checkpoint_around"},
