@@ -31,7 +31,8 @@ def run_mode(mode: str, flags, steps: int, timeout: float) -> dict:
         metrics = os.path.join(tmp, "m.jsonl")
         cmd = [sys.executable, os.path.join(ROOT, "examples", "gemma2", "train.py"), *flags,
                *MODES[mode], "--max-steps", str(steps), "--no-progress", "--metrics", metrics]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         if proc.returncode != 0:
             return {"mode": mode, "error": (proc.stderr or proc.stdout)[-2000:], "cmd": cmd}
         recs = [json.loads(line) for line in open(metrics)]
