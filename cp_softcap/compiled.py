@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .documents import PackedLayout
+from .documents import PackedLayout, packed_layout
 from .kernels.base import Kernel, grad_dtype
 
 _LIVE: Dict[int, tuple] = {}            # handle -> (weak ref to the handle's storage, graph)
@@ -96,8 +96,16 @@ def _backend(key: str):
     return _KERNELS[key]
 
 
-def _window(left: int, right: int, has_left: bool, has_right: bool):
-    return (left if has_left else None, right if has_right else None)
+# Windows cross the boundary as flat int lists, an unbounded side (None) as _NONE.
+_NONE = -(1 << 62)
+
+
+def _flat_windows(windows) -> List[int]:
+    return [_NONE if x is None else int(x) for w in windows for x in w]
+
+
+def _windows(flat: List[int]) -> list:
+    return [tuple(None if x == _NONE else x for x in flat[i:i + 2]) for i in range(0, len(flat), 2)]
 
 
 # ----------------------------------------------------------------- the kept graphs
@@ -137,13 +145,13 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   softcap: float, causal: bool, window: List[int], scale: float,
                   flags: List[bool], layout_windows: List[int]
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """flags: (q, k, v, sinks need gradients, softcap given, scale given, window left / right
-    given, one device with return_lse, boundaries form a PackedLayout)."""
+    """flags: (q, k, v, sinks need gradients, softcap given, scale given, one device with
+    return_lse, boundaries form a PackedLayout); window: _flat_windows of the call's window."""
     from .api import attention, cp_attention
     _sweep()
-    grads, (has_cap, has_scale, has_left, has_right, one_device, layout) = flags[:4], flags[4:]
+    grads, (has_cap, has_scale, one_device, layout) = flags[:4], flags[4:]
     options = dict(softcap=softcap if has_cap else None, causal=causal,
-                   window=_window(*window, has_left, has_right), scale=scale if has_scale else None,
+                   window=_windows(window)[0], scale=scale if has_scale else None,
                    backend=_backend(backend))
     # own copies (see the module docstring); the same values, so the same results
     q, k, v = (t.detach().clone().requires_grad_(g) for t, g in zip((q, k, v), grads))
@@ -173,7 +181,7 @@ def _(q, k, v, sinks, cu_seqlens, groups, comm, backend, softcap, causal, window
       layout_windows):
     b, s, hq = q.shape[:3]
     out = q.new_empty((b, s, hq, v.shape[-1]))
-    one_device = flags[8]
+    one_device = flags[6]
     lse = q.new_empty((b, hq, s) if one_device else (0,), dtype=grad_dtype(q.dtype))
     return out, lse, torch.empty((), dtype=torch.int64, device="cpu")
 
@@ -240,14 +248,12 @@ def compiled_attention(q, k, v, *, group_names_: str, comm: str, backend, softca
     """(out, lse) through the operators; lse is empty for a CP call. Called while dynamo traces."""
     grad = torch.is_grad_enabled()
     grads = [grad and t is not None and t.requires_grad for t in (q, k, v, sinks)]
-    left, right = window if window is not None else (None, None)
     cu, layout, lw = _boundaries(cu_seqlens)
-    flags = grads + [softcap is not None, scale is not None, left is not None, right is not None,
-                     one_device, layout]
+    flags = grads + [softcap is not None, scale is not None, one_device, layout]
     out, lse, _ = torch.ops.cp_softcap.attention(
         q, k, v, sinks, cu, group_names_, comm, backend_key(backend),
         0.0 if softcap is None else float(softcap), bool(causal),
-        [0 if left is None else int(left), 0 if right is None else int(right)],
+        _flat_windows([window if window is not None else (None, None)]),
         0.0 if scale is None else float(scale), flags, lw)
     return out, lse
 
@@ -257,18 +263,10 @@ def _boundaries(cu_seqlens):
     if cu_seqlens is None:
         return None, False, []
     if isinstance(cu_seqlens, PackedLayout):
-        flat = [x for w in cu_seqlens.windows for x in _flat_window(w)]
-        return cu_seqlens.boundaries, True, flat
+        return cu_seqlens.boundaries, True, _flat_windows(cu_seqlens.windows)
     if isinstance(cu_seqlens, torch.Tensor):
         return cu_seqlens, False, []
     return torch.tensor(list(cu_seqlens), dtype=torch.int64), False, []
-
-
-_NONE = -(1 << 62)
-
-
-def _flat_window(w) -> Tuple[int, int]:
-    return tuple(_NONE if x is None else int(x) for x in w)
 
 
 def _layout(cu: List[int], local_len: int, groups: str, flat: List[int]) -> PackedLayout:
@@ -276,9 +274,7 @@ def _layout(cu: List[int], local_len: int, groups: str, flat: List[int]) -> Pack
     layer windows. The windows are stored normalised, so they are passed as they are
     (causal=False: nothing is re-normalised; a bidirectional layout stays bidirectional)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
-    from .documents import packed_layout
     cp = 1
     for name in groups.split(" "):
         cp *= dist.get_world_size(_resolve_process_group(name))
-    windows = [tuple(None if x == _NONE else x for x in flat[i:i + 2]) for i in range(0, len(flat), 2)]
-    return packed_layout(cu, local_len * cp, cp, causal=False, layer_windows=windows)
+    return packed_layout(cu, local_len * cp, cp, causal=False, layer_windows=_windows(flat))
