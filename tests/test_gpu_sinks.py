@@ -1,0 +1,111 @@
+"""Attention sinks on the GPU at gpt-oss's attention shape (64 query heads of dim 64, 8 KV
+heads, sliding window of 128 keys, learned per-head sinks), bf16, against the float64 reference
+with the sink column: one device with fa4, fa2 and flex, and context parallelism over 2 ranks
+sharing the GPU (gloo) for every comm. Sinks large enough to dominate some heads' rows; with
+and without a saturating softcap; a negative control (the sink dropped) must miss the reference.
+
+Skipped without CUDA and per kernel when its probe says it cannot run here.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("CUDA not available: GPU sinks tests need a GPU", allow_module_level=True)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests_dist"))
+from harness import run_ranks  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+HQ, HKV, D = 64, 8, 64
+WINDOW = (127, 0)        # gpt-oss's sliding_window=128: the row's key and the 127 before it
+
+
+def _inputs(s, cap, seed):
+    from cp_softcap.testing import saturating_qkv
+    torch.manual_seed(seed)
+    q, k, v, _ = saturating_qkv(1, s, s, HQ, HKV, D, torch.bfloat16, cap or 5.0,
+                                requires_grad=False)
+    # gpt-oss's learned sinks are O(1); every 8th head's sink dominates its rows
+    sinks = torch.randn(HQ, dtype=torch.float64)
+    sinks[::8] += 12.0
+    dout = torch.randn(q.shape, dtype=torch.float64).to(torch.bfloat16)
+    return q, k, v, sinks.float(), dout
+
+
+def _check(out, grads, q, k, v, sinks, dout, opts, label, shard_fn=lambda t: t, tol_scale=2.0):
+    """Compare against the float64 reference with sinks (shard_fn selects the rank's rows) and
+    require the sink-free reference to be far off (negative control)."""
+    from cp_softcap.testing import (TOLERANCES, check_against_reference, reference_attention,
+                                    reference_with_grads, rel_err)
+    # float64 on the GPU: the CPU reference at this shape takes minutes
+    q, k, v, dout = (t.cuda() for t in (q, k, v, dout))
+    ref_out, _, ref_grads = reference_with_grads(q, k, v, dout, sinks=sinks.double().cuda(),
+                                                 bottom_right=False, **opts)
+    ref_out = ref_out.cpu()
+    ref_grads = [shard_fn(g.cpu()) if i < 3 else g.cpu() for i, g in enumerate(ref_grads)]
+    errs = check_against_reference(out, grads, shard_fn(ref_out), ref_grads, torch.bfloat16,
+                                   label=label, tol_scale=tol_scale)
+    nosink, _ = reference_attention(q, k, v, **opts)
+    if not rel_err(out, shard_fn(nosink.cpu())) > 10 * TOLERANCES[torch.bfloat16]["out"]:
+        raise AssertionError(f"{label}: negative control too weak: the sink-free reference is close")
+    return errs
+
+
+def _skip_unless(backend, cap, cp_size=1):
+    from cp_softcap.kernels import get_kernel
+    from cp_softcap.spec import make_spec
+    spec = make_spec(head_dim=D, num_heads=HQ, num_kv_heads=HKV, dtype=torch.bfloat16,
+                     device_type="cuda", softcap=cap, causal=True, window=WINDOW, cp_size=cp_size,
+                     sinks=True)
+    reason = get_kernel(backend).probe(spec)
+    if reason:
+        pytest.skip(f"{backend}: {reason}")
+
+
+@pytest.mark.parametrize("cap", [None, 30.0])
+@pytest.mark.parametrize("backend", ["fa4", "fa2", "flex"])
+def test_one_device_gpt_oss_shape(backend, cap):
+    import cp_softcap as cps
+    _skip_unless(backend, cap)
+    q, k, v, sinks, dout = _inputs(1024, cap, seed=11)
+    opts = dict(softcap=cap, causal=True, window=WINDOW)
+    qd, kd, vd = (t.cuda().requires_grad_() for t in (q, k, v))
+    sd = sinks.cuda().requires_grad_()
+    out = cps.attention(qd, kd, vd, sinks=sd, backend=backend, **opts)
+    out.backward(dout.cuda())
+    grads = [t.grad.cpu() for t in (qd, kd, vd, sd)]
+    print(backend, cap, _check(out.detach().cpu(), grads, q, k, v, sinks, dout, opts,
+                               f"{backend} cap={cap}"))
+
+
+def _cp_worker(rank, world, backend, comm, cap):
+    import torch.distributed as dist
+
+    import cp_softcap as cps
+    from cp_softcap.sharding import shard
+    q, k, v, sinks, dout = _inputs(512 * world, cap, seed=12)
+    opts = dict(softcap=cap, causal=True, window=WINDOW)
+    ql, kl, vl = (shard(t, world, rank).cuda().requires_grad_() for t in (q, k, v))
+    sd = sinks.cuda().requires_grad_()
+    out = cps.cp_attention(ql, kl, vl, dist.group.WORLD, comm=comm, backend=backend, sinks=sd,
+                           **opts)
+    out.backward(shard(dout, world, rank).cuda())
+    # the sink is a parameter: its full gradient is the sum of the ranks' shares
+    dsink = sd.grad.cpu()
+    dist.all_reduce(dsink)
+    grads = [t.grad.cpu() for t in (ql, kl, vl)] + [dsink]
+    return _check(out.detach().cpu(), grads, q, k, v, sinks, dout, opts,
+                  f"rank {rank} {backend} {comm} cap={cap}", lambda t: shard(t, world, rank))
+
+
+@pytest.mark.parametrize("comm", ["ring", "all_gather", "a2a"])
+@pytest.mark.parametrize("backend", ["fa4", "fa2", "flex"])
+def test_cp_two_ranks_gpt_oss_shape(backend, comm):
+    _skip_unless(backend, 30.0, cp_size=2)
+    for errs in run_ranks(_cp_worker, 2, backend, comm, 30.0, timeout=300):
+        print(backend, comm, errs)
