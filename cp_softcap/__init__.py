@@ -1,5 +1,7 @@
 """cp_softcap: context-parallel attention with tanh logit softcapping.
 
+Tensors are [B, S, H, D]: batch, sequence, heads, head dim (SDPA's [B, H, S, D] transposed).
+
     import cp_softcap as cps
     out = cps.attention(q, k, v, softcap=50.0)                            # one device, causal
     attn = cps.CPAttention(cp_group, softcap=50.0, window=(4095, 0))      # context parallel

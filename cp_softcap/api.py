@@ -1,5 +1,6 @@
 """The public entry points: `attention` (one device), `cp_attention` (context parallel, on this
-rank's zigzag shards) and `CPAttention` (the parameter-free layer for model code).
+rank's zigzag shards) and `CPAttention` (the parameter-free layer for model code). Every tensor
+is [B, S, H, D]: batch, sequence, heads, head dim (SDPA's [B, H, S, D] transposed).
 
 Each call hands its arguments to the plan in one step (plan.py: every validation, the spec,
 groups, kernel and algorithm, or the one-device path: one kernel call, packed documents or the
@@ -26,7 +27,8 @@ from .packed_local import (packed_attention, save_for_local_backward, saved_for_
                            second_order_safe)
 from .plan import Backend, Plan, check_group, is_exporting, local_plan_for, plan_for
 from .selector import check_backend
-from .spec import check_comm, normalize_softcap, normalize_window
+from .spec import (alignment_error, check_causal_align, check_comm, normalize_softcap,
+                   normalize_window, unaligned)
 
 def compiling() -> bool:
     """True while torch.compile traces the caller (not torch.export / ONNX export, which trace
@@ -67,16 +69,23 @@ class _LocalAttention(torch.autograd.Function):
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: Optional[float] = None,
               causal: bool = True, window=None, scale: Optional[float] = None,
               backend: Backend = "auto", return_lse: bool = False, cu_seqlens=None,
-              sinks: Optional[torch.Tensor] = None
+              sinks: Optional[torch.Tensor] = None, causal_align: Optional[str] = None
               ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Softcapped attention on one device.
 
-    q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (Hq % Hkv == 0; GQA is not expanded).
+    Layout [B, S, H, D] (batch, sequence, heads, head dim): q [B, Sq, Hq, D], k/v
+    [B, Sk, Hkv, D] (Hq % Hkv == 0; GQA is not expanded). Tensors in SDPA's [B, H, S, D]
+    layout go in as q.transpose(1, 2).
     softcap: None/0.0 = off, else z = softcap * tanh(scale * q.k / softcap) before masking.
     causal: True (the default) hides future keys; pass causal=False for bidirectional attention.
-    window: (left, right) or None; query i sees key j iff i - left <= j <= i + right, with queries
-    aligned to the END of the keys when Sq != Sk (flash-attn's bottom-right convention).
+    window: (left, right) or None; query i sees key j iff i - left <= j <= i + right.
     causal=True forces right = 0. backend: "auto", a kernel name, or a Kernel instance.
+    causal_align: how queries and keys line up when Sq != Sk under causal=True or a window.
+    Such a call must say it, else it is refused with a ValueError (conventions differ:
+    flash-attn aligns the last query with the last key, SDPA's is_causal the first with the
+    first). 'bottom_right' (query i at key position i + Sk - Sq, a decode step over a KV cache)
+    is the one implemented; 'top_left' is refused with its equivalent call. Ignored when
+    Sq == Sk.
     Returns out [B, Sq, Hq, Dv] in q's dtype, and with return_lse=True also lse [B, Hq, Sq]
     (float32, float64 for float64 inputs; -inf for rows that see no key), differentiable.
 
@@ -94,6 +103,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: Opt
     scaled or softcapped; a row that sees no key gets out 0, lse = sink). Differentiable in
     sinks too.
     """
+    check_causal_align(causal_align)
+    if cu_seqlens is None and unaligned(q, k, causal, window, causal_align):
+        raise alignment_error(q, k, causal, window)
     if compiling():
         out, lse = compiled_attention(q, k, v, group_names_="", comm="ring", backend=backend,
                                       softcap=softcap, causal=causal, window=window, scale=scale,
@@ -132,11 +144,15 @@ def _warn_if_several_ranks() -> None:
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
                  softcap: Optional[float] = None, causal: bool = True, window=None,
                  scale: Optional[float] = None, comm: str = "ring", backend: Backend = "auto",
-                 cu_seqlens=None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 cu_seqlens=None, sinks: Optional[torch.Tensor] = None,
+                 causal_align: Optional[str] = None) -> torch.Tensor:
     """Context-parallel attention on this rank's shards.
 
-    q [B, S/cp, Hq, D], k/v [B, S/cp, Hkv, D]: the local shards in the zigzag layout
-    (cp_softcap.sharding.shard: rank r holds global chunks r and 2cp-1-r of 2cp equal chunks).
+    Layout [B, S, H, D] (batch, sequence, heads, head dim): q [B, S/cp, Hq, D], k/v
+    [B, S/cp, Hkv, D], the local shards in the zigzag layout (cp_softcap.sharding.shard: rank
+    r holds global chunks r and 2cp-1-r of 2cp equal chunks). Under CP q and k/v have the same
+    length; causal_align matters only on one device (group None or of one rank), as for
+    cps.attention.
     Returns this rank's shard of the output, [B, S/cp, Hq, Dv], in q's dtype. Differentiable.
     softcap/window/scale/causal mean what they mean for cps.attention, in GLOBAL positions.
     comm: "ring" | "all_gather" | "a2a" | "a2a+p2p" | "auto". group None or of size 1: one device,
@@ -165,6 +181,10 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, 
     so the usual gradient reduction across the CP/data-parallel ranks (a sum, as for every
     other parameter) gives the full gradient. The ranks compare the sinks' presence, not values.
     """
+    check_causal_align(causal_align)
+    if cu_seqlens is None and unaligned(q, k, causal, window, causal_align) \
+            and _one_rank(group, comm):
+        raise alignment_error(q, k, causal, window)
     if compiling():
         out, _ = compiled_attention(q, k, v, group_names_=group_names(group, comm), comm=comm,
                                     backend=backend, softcap=softcap, causal=causal,
@@ -187,25 +207,39 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, 
     return _run_one_device(q, k, v, plan)[0]
 
 
+def _one_rank(group, comm: str) -> bool:
+    """Whether `group` runs the call on one device. Asked only of a call about to be refused:
+    an invalid group answers False, and the plan refuses it with its own message."""
+    try:
+        from .plan import resolve_groups
+        return comm != "a2a+p2p" and resolve_groups(group, comm)[1] == 1
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
 class CPAttention(torch.nn.Module):
     """Parameter-free attention layer for model code: `CPAttention(cp_group, softcap=50.0)`
     (causal by default).
 
-    forward(q, k, v, cu_seqlens=None, sinks=None) takes the local shards [B, S/cp, H, D] (GQA
-    allowed) and returns the local output shard [B, S/cp, Hq, Dv]; cu_seqlens: the global
+    forward(q, k, v, cu_seqlens=None, sinks=None) takes the local shards in the layout
+    [B, S/cp, H, D] (batch, sequence, heads, head dim; GQA allowed) and returns the local
+    output shard [B, S/cp, Hq, Dv]; cu_seqlens: the global
     document boundaries of a packed stream (shards from sharding.shard(..., cu_seqlens=));
     sinks: the model's learned attention-sink logits [Hq] (a parameter of the model, passed at
-    call time; each rank's gradient is the sum over its own rows). See cp_attention for the
-    layout contract and the errors.
+    call time; each rank's gradient is the sum over its own rows). causal_align: as for
+    cps.attention, for a layer run on one device whose queries and keys differ in length (a
+    decode step over a KV cache). See cp_attention for the layout contract and the errors.
     """
 
     def __init__(self, cp_group=None, softcap: Optional[float] = None, *, causal: bool = True,
                  window=None, scale: Optional[float] = None, comm: str = "ring",
-                 backend: Backend = "auto"):
+                 backend: Backend = "auto", causal_align: Optional[str] = None):
         super().__init__()
         self.softcap = normalize_softcap(softcap)
         self.window = normalize_window(window, causal)
         check_comm(comm)
+        check_causal_align(causal_align)
+        self.causal_align = causal_align
         check_backend(backend)
         if isinstance(backend, Kernel):
             register_kernel(backend)        # usable inside torch.compile (compiled.py)
@@ -217,4 +251,5 @@ class CPAttention(torch.nn.Module):
                 cu_seqlens=None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         return cp_attention(q, k, v, self.cp_group, softcap=self.softcap, causal=self.causal,
                             window=self.window, scale=self.scale, comm=self.comm,
-                            backend=self.backend, cu_seqlens=cu_seqlens, sinks=sinks)
+                            backend=self.backend, cu_seqlens=cu_seqlens, sinks=sinks,
+                            causal_align=self.causal_align)

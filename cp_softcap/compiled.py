@@ -150,9 +150,11 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     from .api import attention, cp_attention
     _sweep()
     grads, (has_cap, has_scale, one_device, layout) = flags[:4], flags[4:]
+    # causal_align: the traced call was checked before it reached the operator, and
+    # 'bottom_right' is the one alignment there is
     options = dict(softcap=softcap if has_cap else None, causal=causal,
                    window=_windows(window)[0], scale=scale if has_scale else None,
-                   backend=_backend(backend))
+                   backend=_backend(backend), causal_align="bottom_right")
     # own copies (see the module docstring); the same values, so the same results
     q, k, v = (t.detach().clone().requires_grad_(g) for t, g in zip((q, k, v), grads))
     if sinks is not None:

@@ -34,7 +34,8 @@ def local_chunks(cp: int, rank: int) -> tuple:
 
 def shard(x: torch.Tensor, cp: int, rank: int, dim: int = 1, *, cu_seqlens=None,
           pad_value=0) -> torch.Tensor:
-    """Global [.., S, ..] -> this rank's [.., S/cp, ..] (chunks rank and 2cp-1-rank).
+    """Global [.., S, ..] -> this rank's [.., S/cp, ..] (chunks rank and 2cp-1-rank). `dim` is
+    the sequence dim: 1, the S of attention's [B, S, H, D] and of token ids [B, S].
 
     With cu_seqlens (packed documents): this rank's [.., packed_len(S, cp) / cp, ..] in the
     packed layout; x is first padded at its end with `pad_value` (use -100 for labels)."""

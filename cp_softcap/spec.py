@@ -110,6 +110,57 @@ def normalize_window(window, causal: bool) -> Window:
     return (left, right)
 
 
+CAUSAL_ALIGNS = ("bottom_right",)
+
+
+def check_causal_align(causal_align) -> None:
+    """The one check of a causal_align= value: None (lengths must then be equal wherever a mask
+    relates query and key positions) or 'bottom_right', the only alignment the kernels have."""
+    if causal_align is None or (isinstance(causal_align, str) and causal_align in CAUSAL_ALIGNS):
+        return
+    if causal_align == "top_left":
+        raise ValueError(
+            "causal_align='top_left' (SDPA's is_causal convention) is not implemented: every kernel "
+            "aligns the last query with the last key. For Sk > Sq, top-left causal attention "
+            "equals the square call on the first Sq keys: attention(q, k[:, :Sq], v[:, :Sq]); "
+            "else pass causal_align='bottom_right' if that is the alignment you mean")
+    raise ValueError(f"causal_align must be None or one of {CAUSAL_ALIGNS}, got {causal_align!r}")
+
+
+def unaligned(q, k, causal, window, causal_align) -> bool:
+    """True when a call must say how its queries align with its keys and did not: q and k/v
+    differ in length along dim 1 and a causal mask or a window relates their positions.
+    Inputs that are not 4-D tensors, or options that are invalid, answer False: the plan
+    refuses those with their own message."""
+    if causal_align is not None:
+        return False
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4
+            and k.dim() == 4) or q.shape[1] == k.shape[1] or 0 in (q.shape[1], k.shape[1]):
+        return False            # no query, or no key: every row is empty under any alignment
+    if causal is True:
+        return True
+    if causal is not False:
+        return False
+    try:
+        return normalize_window(window, False) != (None, None)
+    except ValueError:
+        return False
+
+
+def alignment_error(q, k, causal: bool, window) -> ValueError:
+    """The refusal of an unaligned call (see unaligned), with the reason and the fix."""
+    sq, sk = q.shape[1], k.shape[1]
+    mask = "causal=True" if causal is True else f"window={window!r}"
+    return ValueError(
+        f"q has {sq} tokens and k/v have {sk} (dim 1; inputs are [batch, seq, heads, head_dim]) "
+        f"with {mask}: which keys a query sees depends on how the two sequences are aligned, and "
+        "conventions differ (flash-attn aligns the last query with the last key, SDPA's is_causal "
+        "the first with the first). Say it: causal_align='bottom_right' (query i sits at key "
+        f"position i {'-' if sq > sk else '+'} {abs(sk - sq)}, as in a decode step over a KV "
+        "cache; the one alignment implemented). If q/k/v are [batch, heads, seq, head_dim] (SDPA's layout), pass "
+        "q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2) instead.")
+
+
 def _below(value, low: int) -> bool:
     """True unless `value` is an integer (int, numpy or torch integer, SymInt) >= low."""
     if isinstance(value, (bool, float)):

@@ -29,7 +29,9 @@ def _leaf(x):
 
 
 def run_attention(q, k, v, dout, dlse=None, **kw):
-    """cps.attention forward + autograd backward; returns (out, lse, (dq, dk, dv))."""
+    """cps.attention forward + autograd backward; returns (out, lse, (dq, dk, dv)). Calls with
+    Sq != Sk are bottom-right aligned, as the reference's default (bottom_right=True)."""
+    kw.setdefault("causal_align", "bottom_right")
     q, k, v = _leaf(q), _leaf(k), _leaf(v)
     if dlse is None:
         out = cps.attention(q, k, v, **kw)
@@ -91,12 +93,26 @@ def test_return_lse_with_lse_gradient(dtype, window):
     assert (plain[0].double() - grads[0].double()).abs().max() > 1e-2 * grads[0].double().abs().max()
 
 
+@pytest.mark.parametrize("window", [None, (5, 0)])
+def test_decode_step_bottom_right_equals_reference(window):
+    """One new query over 33 cached keys (a decode step), the alignment said explicitly: the
+    query is the last position, as the float64 reference computes it."""
+    q, k, v, _ = saturating_qkv(2, 1, 33, 4, 2, 16, torch.float64, 5.0)
+    dout = torch.randn(2, 1, 4, 16, dtype=torch.float64)
+    out, _, grads = run_attention(q, k, v, dout, softcap=5.0, causal=True, window=window,
+                                  causal_align="bottom_right")
+    compare(q, k, v, dout, out, None, grads, torch.float64, softcap=5.0, causal=True, window=window)
+    with pytest.raises(ValueError, match=r"q has 1 tokens and k/v have 33.*causal_align"):
+        cps.attention(q, k, v, softcap=5.0, window=window)
+
+
 @pytest.mark.parametrize("used", ["lse only", "out only"])
 def test_one_of_out_and_lse_unused(used):
     """The unused output's gradient reaches the backward as None (materialize_grads off)."""
     q, k, v, _ = saturating_qkv(1, 28, 32, 4, 2, 16, torch.float32, 30.0)
     q, k, v = _leaf(q), _leaf(k), _leaf(v)
-    out, lse = cps.attention(q, k, v, softcap=30.0, causal=True, return_lse=True)
+    out, lse = cps.attention(q, k, v, softcap=30.0, causal=True, return_lse=True,
+                             causal_align="bottom_right")
     dout, dlse = torch.randn(1, 28, 4, 16), torch.randn(1, 4, 28)
     if used == "lse only":
         dout = torch.zeros_like(dout)
@@ -110,7 +126,8 @@ def test_one_of_out_and_lse_unused(used):
 
 def test_return_lse_forward_only_values():
     q, k, v, _ = saturating_qkv(1, 20, 12, 2, 1, 16, torch.float32, 5.0, requires_grad=False)
-    out, lse = cps.attention(q, k, v, softcap=5.0, causal=True, return_lse=True)
+    out, lse = cps.attention(q, k, v, softcap=5.0, causal=True, return_lse=True,
+                             causal_align="bottom_right")
     ref_out, ref_lse, _ = reference_with_grads(q, k, v, torch.zeros(1, 20, 2, 16), softcap=5.0, causal=True)
     check_against_reference(out, None, ref_out, None, torch.float32, lse=lse, ref_lse=ref_lse)
     assert torch.all(lse[:, :, :8] == NEG_INF) and torch.all(out[:, :8] == 0)
@@ -159,7 +176,7 @@ def test_only_q_requires_grad():
     q, k, v, _ = saturating_qkv(1, 24, 30, 4, 2, 16, torch.float32, 50.0, requires_grad=False)
     q.requires_grad_(True)
     dout = torch.randn(1, 24, 4, 16)
-    out = cps.attention(q, k, v, softcap=50.0, causal=True)
+    out = cps.attention(q, k, v, softcap=50.0, causal=True, causal_align="bottom_right")
     out.backward(dout)
     assert k.grad is None and v.grad is None
     _, _, ref_grads = reference_with_grads(q, k, v, dout, softcap=50.0, causal=True)

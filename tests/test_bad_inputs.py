@@ -45,7 +45,7 @@ def check_ref(q, k, v, **kw):
     """Run cps.attention forward and backward; compare with the float64 reference."""
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     out = cps.attention(q, k, v, **kw)
-    sq, sk = q.shape[1], k.shape[1]     # cps.attention aligns queries to the END of the keys
+    sq, sk = q.shape[1], k.shape[1]     # bottom-right: queries aligned to the END of the keys
     ref, _ = reference_attention(q.detach(), k.detach(), v.detach(),
                                  **{key: kw[key] for key in ("softcap", "causal", "scale") if key in kw},
                                  window=kw.get("window") or (None, None), q_pos=torch.arange(sq) + sk - sq)
@@ -105,7 +105,7 @@ def ok_big_head_dim():
 
 def ok_float64_sq_ne_sk():
     q, k, v = qkv(s=8, sk=20, dtype=torch.float64)
-    return check_ref(q, k, v, softcap=5.0, causal=True, window=(3, 0))
+    return check_ref(q, k, v, softcap=5.0, causal=True, window=(3, 0), causal_align="bottom_right")
 
 
 def ok_pad():
@@ -205,6 +205,23 @@ MATRIX = [
     ("batch-0", lambda: ok_empty(0, 16, 16), "ok", ""),
     ("no-keys", lambda: ok_empty(1, 8, 0), "ok", ""),
     ("float64-sq<sk-window", ok_float64_sq_ne_sk, "ok", ""),
+    # ---- cps.attention: Sq != Sk under a causal mask or a window needs its alignment said
+    ("causal-sq-ne-sk-unaligned", lambda: att(q=torch.randn(1, 8, 4, 16)), ValueError,
+     r"q has 8 tokens and k/v have 16.*\[batch, seq, heads, head_dim\].*causal_align='bottom_right'"),
+    ("window-sq-ne-sk-unaligned", lambda: att(q=torch.randn(1, 8, 4, 16), causal=False, window=(3, 3)),
+     ValueError, r"window=\(3, 3\).*causal_align"),
+    ("sdpa-layout-bhsd", lambda: cps.attention(torch.randn(1, 4, 16, 16), *(torch.randn(1, 2, 16, 16)
+                                                                           for _ in "kv"), softcap=50.0),
+     ValueError, r"q has 4 tokens and k/v have 2.*q\.transpose\(1, 2\)"),
+    ("causal-align-top-left", lambda: att(q=torch.randn(1, 8, 4, 16), causal_align="top_left"),
+     ValueError, r"top_left.*not implemented.*k\[:, :Sq\]"),
+    ("causal-align-unknown", lambda: att(causal_align="end"), ValueError,
+     r"causal_align must be None or one of \('bottom_right',\), got 'end'"),
+    ("cp_attention-one-device-unaligned", lambda: cps.cp_attention(torch.randn(1, 8, 4, 16),
+                                                                   *qkv()[1:], None),
+     ValueError, r"q has 8 tokens.*causal_align"),
+    ("CPAttention-causal-align-unknown", lambda: layer(causal_align="bottom-right"), ValueError,
+     r"causal_align.*'bottom-right'"),
     # ---- cp_attention / CPAttention (single process; the CP rows are in tests_dist)
     ("CPAttention-softcap-negative", lambda: layer(softcap=-1.0), ValueError, r"softcap.*-1\.0"),
     ("CPAttention-softcap-nan", lambda: layer(softcap=float("nan")), ValueError, r"softcap.*nan"),

@@ -76,6 +76,28 @@ def test_layer_without_group_compiles():
     assert torch.equal(out, ref) and torch.equal(q.grad, q2.grad) and torch.equal(v.grad, v2.grad)
 
 
+def test_unequal_lengths_need_their_alignment_when_compiled():
+    """A causal call with Sq != Sk is refused inside torch.compile as in eager, and with
+    causal_align='bottom_right' (cps.attention and CPAttention(None)) it equals eager."""
+    q, k, v = _inputs(4)
+    q = q[:, :9].detach().requires_grad_()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="causal_align='bottom_right'"):
+        torch.compile(lambda q, k, v: cps.attention(q, k, v, softcap=3.0), fullgraph=True,
+                      backend="aot_eager")(q, k, v)
+    layer = cps.CPAttention(None, softcap=3.0, window=(7, 0), causal_align="bottom_right")
+    for f in (lambda q, k, v: cps.attention(q, k, v, softcap=3.0, window=(7, 0),
+                                            causal_align="bottom_right"), layer):
+        results = []
+        for g in (torch.compile(f, fullgraph=True, backend="aot_eager"), f):
+            x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            out = g(*x)
+            (out ** 2).sum().backward()
+            results.append([out.detach()] + [t.grad for t in x])
+        for a, b in zip(*results):
+            assert torch.equal(a, b), (a - b).abs().max()
+
+
 def test_no_grad_call_keeps_nothing():
     fn = torch.compile(_attend, fullgraph=True, backend="aot_eager")
     q, k, v = _inputs(1)

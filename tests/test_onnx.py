@@ -49,12 +49,12 @@ def _export_and_run(module, q, k, v, path):
 def test_attention_with_softcap_exports_and_matches_onnxruntime(case, tmp_path):
     hq, hkv, cap, causal, window, sq, sk = case
     q, k, v, frac = saturating_qkv(1, sq, sk, hq, hkv, 16, torch.float32, cap, requires_grad=False)
-    kw = dict(softcap=cap, causal=causal, window=window)
+    kw = dict(softcap=cap, causal=causal, window=window, causal_align="bottom_right")
     eager = cps.attention(q, k, v, **kw)
     got = _export_and_run(Attn(**kw).eval(), q, k, v, str(tmp_path / "attn.onnx"))
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, eager, rtol=2e-5, atol=2e-5)
-    nocap = cps.attention(q, k, v, causal=causal, window=window)
+    nocap = cps.attention(q, k, v, causal=causal, window=window, causal_align="bottom_right")
     assert (got - nocap).abs().max() > 1e-2, "the exported graph lost the softcap"
 
 
@@ -74,7 +74,7 @@ def test_export_math_equals_torch_kernel(dtype, window, sq, sk):
     scale = 16 ** -0.5
     out, lse = export_attention(q, k, v, scale=scale, softcap=5.0, window=window or (None, None))
     ref_out, ref_lse = cps.attention(q, k, v, softcap=5.0, causal=False, window=window,
-                                     return_lse=True, backend="torch")
+                                     return_lse=True, backend="torch", causal_align="bottom_right")
     assert out.dtype == dtype and out.shape == ref_out.shape and lse.shape == ref_lse.shape
     tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(out.double(), ref_out.double(), rtol=tol, atol=tol)

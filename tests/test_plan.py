@@ -114,7 +114,7 @@ def test_raw_call_cache_stays_bounded_when_shapes_keep_changing():
     q = torch.randn(1, 1, 2, 8)
     for n in range(1, plan_mod.MAX_CALL_PLANS + 40):
         kv = torch.randn(1, n, 2, 8)
-        cps.attention(q, kv, kv, softcap=30.0)
+        cps.attention(q, kv, kv, softcap=30.0, causal_align="bottom_right")   # decoding
     assert len(plan_mod._CALLS[plan_mod._ONE_DEVICE]) <= plan_mod.MAX_CALL_PLANS
 
 

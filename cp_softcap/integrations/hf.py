@@ -291,8 +291,10 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                         backend=_CONFIG["backend"], cu_seqlens=cu, **sinks)
         return out.reshape(b, sq, *out.shape[2:]), None
     if group is None:                  # no CP group set: plain attention (DP-only runs too)
+        # generation with a KV cache: the new queries are the LAST positions of the keys
+        # (HF's cache_position), which is bottom-right alignment
         return attention(q, k, v, softcap=softcap, causal=causal, window=window, scale=scaling,
-                         backend=_CONFIG["backend"], **sinks), None
+                         backend=_CONFIG["backend"], causal_align="bottom_right", **sinks), None
     docs = {} if cu is None else {"cu_seqlens": cu}
     out = cp_attention(q, k, v, group, softcap=softcap, causal=causal, window=window, scale=scaling,
                        comm=comm, backend=_CONFIG["backend"], **docs, **sinks)

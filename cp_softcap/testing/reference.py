@@ -84,7 +84,11 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                         cu_seqlens=None, dtype: torch.dtype = torch.float64,
                         sinks: Optional[torch.Tensor] = None
                         ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, Dv], lse [B, Hq, Sq]) in `dtype`.
+    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (batch, sequence, heads, head dim, as
+    cp_softcap.attention takes them) -> (out [B, Sq, Hq, Dv], lse [B, Hq, Sq]) in `dtype`.
+    Positions default to 0..S-1 for queries and keys alike (top-left when Sq != Sk); for the
+    library's bottom-right alignment pass testing.bottom_right_positions(Sq, Sk) as
+    q_pos/k_pos (reference_with_grads does it by default).
     cu_seqlens: boundaries [0, e1, ..., T_docs] of packed documents (as `cp_softcap.attention`
     takes them), or None for one sequence. sinks [Hq]: attention sinks (see the module
     docstring)."""
