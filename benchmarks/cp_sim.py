@@ -106,8 +106,18 @@ class _RingRankSim:
         dout, out, dlse = self.kernel.prepare_backward(self.dout, out, None, self.q.dtype)
         dq, dk, dv = (GradAccumulator(t.shape, gdt, self.q.device)
                       for t in (self.q, self.k, self.v))
-        backward_calls(dout, self.q, self.k, self.v, out, lse, dlse, self.self_calls, *kw,
-                       dq, dk, dv)
+        side = getattr(self, "side", None)
+        if side is not None:
+            # the self call's backward on a second stream into its own sums, beside the blocks'
+            mine = [GradAccumulator(t.shape, gdt, self.q.device) for t in (self.q, self.k, self.v)]
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                backward_calls(dout, self.q, self.k, self.v, out, lse, dlse, self.self_calls, *kw,
+                               *mine)
+                mine = [m.result() for m in mine]
+        else:
+            backward_calls(dout, self.q, self.k, self.v, out, lse, dlse, self.self_calls, *kw,
+                           dq, dk, dv)
         for kb, vb, calls, returned, ranges, sent_dtype in self.blocks:
             gk, gv = (GradAccumulator(t.shape, sent_dtype, kb.device) for t in (kb, vb))
             backward_calls(dout, self.q, kb, vb, out, lse, dlse, calls, *kw, dq, gk, gv)
@@ -115,6 +125,10 @@ class _RingRankSim:
             for g, (k0, k1) in zip(returned, ranges):
                 dk.add(k0, k1, g)
                 dv.add(k0, k1, g)
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)
+            for acc, m in zip((dq, dk, dv), mine):
+                acc.add(0, m.shape[1], m)
         return tuple(a.result() for a in (dq, dk, dv))
 
 
@@ -265,6 +279,147 @@ def run_packed(a, kernel, name, hq, hkv, d, dtype, dev) -> int:
     return 0
 
 
+class AllGatherRankSim:
+    """One rank of the all-gather comm (cp_softcap.cp.all_gather) on random tensors, its work
+    shaped three ways (no communication; K/V already gathered in two halves as there):
+      two      what the library runs: one kernel call per local query chunk over its visible
+               key prefix (a range straddling the halves concatenated), in one stream;
+      streams  the same two calls, the first chunk's on a second CUDA stream, so that one
+               call's tail runs beside the other's work;
+      one      both chunks as ONE varlen call (two segments, causal bottom-right per segment)
+               over a buffer holding both key prefixes back to back (a copy of both)."""
+
+    def __init__(self, kernel, s, cp, rank, hq, hkv, d, dtype, dev, softcap, window, how):
+        from cp_softcap.kernels.base import Segments
+        from cp_softcap.cp.all_gather import _chunk_calls
+        self.kernel, self.how, self.kw = kernel, how, dict(scale=d ** -0.5, softcap=softcap)
+        c = s // (2 * cp)
+        rnd = lambda n, h: torch.randn(1, n, h, d, device=dev, dtype=dtype)   # noqa: E731
+        self.q, self.dout = rnd(2 * c, hq), rnd(2 * c, hq)
+        self.halves = [(rnd(s // 2, hkv), rnd(s // 2, hkv)) for _ in range(2)]
+        self.mid, self.total = s // 2, s
+        self.calls = [(row + q0, row + q1, k0, k1, w) for row, call in _chunk_calls(cp, rank, c, window)
+                      if call is not None for q0, q1, k0, k1, w in (call,)]
+        if how == "one":
+            wins = {tuple(w) for *_, w in self.calls}
+            if len(self.calls) != 2 or len(wins) != 1:
+                raise ValueError(f"one varlen call needs both chunks with one local window, got "
+                                 f"{self.calls}")
+            n = [k1 - k0 for _, _, k0, k1, _ in self.calls]
+            self.segments = Segments((0, self.calls[0][1] - self.calls[0][0],
+                                      self.calls[1][1] - self.calls[1][0] + self.calls[0][1]
+                                      - self.calls[0][0]), (0, n[0], n[0] + n[1]))
+            self.window = self.calls[0][4]
+        self.side = torch.cuda.Stream() if dev == "cuda" and how == "streams" else None
+
+    def _keys(self, k0, k1):
+        (ka, va), (kb, vb) = self.halves
+        m = self.mid
+        if k1 <= m:
+            return ka[:, k0:k1], va[:, k0:k1]
+        if k0 >= m:
+            return kb[:, k0 - m:k1 - m], vb[:, k0 - m:k1 - m]
+        return (torch.cat([ka[:, k0:], kb[:, :k1 - m]], dim=1),
+                torch.cat([va[:, k0:], vb[:, :k1 - m]], dim=1))
+
+    def _one_buffer(self):
+        parts = [self._keys(k0, k1) for _, _, k0, k1, _ in self.calls]
+        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+
+    def forward(self):
+        kern, q = self.kernel, self.q
+        if self.how == "one":
+            ks, vs = self._one_buffer()
+            return kern.forward(q, ks, vs, window=self.window, segments=self.segments, **self.kw)
+        res = []
+        for i, (q0, q1, k0, k1, w) in enumerate(self.calls):
+            ks, vs = self._keys(k0, k1)
+            if self.side is not None and i == 0:
+                self.side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.side):
+                    res.append(kern.forward(q[:, q0:q1], ks, vs, window=w, **self.kw))
+            else:
+                res.append(kern.forward(q[:, q0:q1], ks, vs, window=w, **self.kw))
+        if self.side is not None:
+            torch.cuda.current_stream().wait_stream(self.side)
+        out = torch.cat([r[0] for r in res], dim=1)
+        return out, torch.cat([r[1] for r in res], dim=2)
+
+    def forward_backward(self):
+        kern, q, kw = self.kernel, self.q, self.kw
+        out, lse = self.forward()
+        dout, out, dlse = kern.prepare_backward(self.dout, out, None, q.dtype)
+        gdt = grad_dtype(q.dtype)
+        shape = (1, self.total) + tuple(self.halves[0][0].shape[2:])
+        dk, dv = GradAccumulator(shape, gdt, q.device), GradAccumulator(shape, gdt, q.device)
+        if self.how == "one":
+            ks, vs = self._one_buffer()
+            gq, gk, gv = kern.backward(dout, q, ks, vs, out, lse, window=self.window, dlse=dlse,
+                                       segments=self.segments, **kw)
+            off = 0
+            for _, _, k0, k1, _ in self.calls:
+                dk.add(k0, k1, gk[:, off:off + k1 - k0])
+                dv.add(k0, k1, gv[:, off:off + k1 - k0])
+                off += k1 - k0
+            return gq, dk.result(), dv.result()
+        dq = GradAccumulator(q.shape, kern.partial_dtype(q.dtype), q.device)
+        parts = []
+        for i, (q0, q1, k0, k1, w) in enumerate(self.calls):
+            ks, vs = self._keys(k0, k1)
+            args = (dout[:, q0:q1], q[:, q0:q1], ks, vs, out[:, q0:q1], lse[:, :, q0:q1])
+            if self.side is not None and i == 0:
+                self.side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.side):
+                    parts.append(kern.backward(*args, window=w, dlse=None, **kw))
+            else:
+                parts.append(kern.backward(*args, window=w, dlse=None, **kw))
+        if self.side is not None:
+            torch.cuda.current_stream().wait_stream(self.side)
+        for (q0, q1, k0, k1, _), (gq, gk, gv) in zip(self.calls, parts):
+            dq.add(q0, q1, gq)
+            dk.add(k0, k1, gk)
+            dv.add(k0, k1, gv)
+        return dq.result(), dk.result(), dv.result()
+
+
+def run_all_gather(a, kernel, name, hq, hkv, d, dtype, dev) -> int:
+    """--all-gather: the all-gather rank's work shaped as AllGatherRankSim's variants, each
+    against the full causal call (same kernel, same run): ratio = rank time * cp / full."""
+    window = (a.window, 0)
+    records, rows = [], [["S", "cp", "rank", "shape", "mode", "rank ms", "full ms", "ratio"]]
+    for s in a.seqs:
+        full = {m: bench_ms(full_attention(kernel, s, hq, hkv, d, dtype, dev, a.softcap, window,
+                                           m == "fwd+bwd"), rep_ms=a.rep_ms)
+                for m in ("fwd", "fwd+bwd")}
+        for cp in a.cps:
+            for how in ("two", "streams", "one"):
+                try:
+                    sim = AllGatherRankSim(kernel, s, cp, a.rank % cp, hq, hkv, d, dtype, dev,
+                                           a.softcap, window, how)
+                    for mode in ("fwd", "fwd+bwd"):
+                        ms = bench_ms(sim.forward if mode == "fwd" else sim.forward_backward,
+                                      rep_ms=a.rep_ms)
+                        records.append(dict(S=s, cp=cp, rank=a.rank % cp, shape=how, mode=mode,
+                                            kernel=name, window=a.window, rank_ms=ms,
+                                            full_ms=full[mode], ratio=ms * cp / full[mode]))
+                        rows.append([s, cp, a.rank % cp, how, mode, f"{ms:.3f}",
+                                     f"{full[mode]:.3f}", f"{ms * cp / full[mode]:.3f}"])
+                    del sim
+                except (RuntimeError, ValueError, NotImplementedError) as e:
+                    records.append(dict(S=s, cp=cp, shape=how, kernel=name,
+                                        error=f"{type(e).__name__}: {str(e)[:300]}"))
+                    rows.append([s, cp, a.rank % cp, how, "error", str(e)[:50], "", ""])
+                if dev == "cuda":
+                    torch.cuda.empty_cache()
+    meta = dict(kernel=name, heads=[hq, hkv, d], softcap=a.softcap, dtype=str(dtype), batch=1,
+                window=a.window, comm="all_gather",
+                ratio="rank time * cp / full causal attention time (same kernel), no communication")
+    path = save("cp_sim_all_gather" + (f"_{a.tag}" if a.tag else ""), records, meta, a.out_dir)
+    print(table(rows))
+    print(f"wrote {path}")
+    return 0
+
+
 def graphed(fn):
     """Capture fn() into a CUDA graph (after two warm-up calls on a side stream); returns replay.
     Shows the ring's GPU work without per-call Python/launch overhead."""
@@ -397,6 +552,10 @@ def main(argv=None) -> int:
                    help="simulate a packed stream of this document-length mix (every rank)")
     p.add_argument("--per-call", action="store_true",
                    help="also time each of the rank's kernel calls alone (TFLOP/s per call shape)")
+    p.add_argument("--streams", action="store_true",
+                   help="also time the rank with its self call's backward on a second CUDA stream")
+    p.add_argument("--all-gather", action="store_true",
+                   help="the all-gather rank's work as two calls, two streams, or one varlen call")
     p.add_argument("--dry-run", action="store_true")
     a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -413,6 +572,8 @@ def main(argv=None) -> int:
     kernel = get_kernel(name)
     if a.packed:
         return run_packed(a, kernel, name, hq, hkv, d, dtype, dev)
+    if a.all_gather:
+        return run_all_gather(a, kernel, name, hq, hkv, d, dtype, dev)
     records, rows = [], [["S", "cp", "block keys", "calls", "mode", "rank ms", "host ms",
                           "full ms", "ratio", "graph ratio"]]
     for s in a.seqs:
@@ -445,6 +606,12 @@ def main(argv=None) -> int:
                               f" of {ms:.3f} ms")
                         for t in prof["top"]:
                             print(f"  {t['ms']:8.3f} ms  x{t['calls']:<5g} {t['name']}")
+                    if a.streams and dev == "cuda" and mode == "fwd+bwd":
+                        sim.side = torch.cuda.Stream()
+                        ms_s = bench_ms(fn, rep_ms=a.rep_ms)
+                        sim.side = None
+                        rec.update(rank_streams_ms=ms_s, ratio_streams=ms_s * cp / full[mode])
+                        g_txt += f" streams {ms_s * cp / full[mode]:.3f}"
                     records.append(rec)
                     rows.append([s, cp, keys, sim.calls, mode, f"{ms:.3f}",
                                  f"{rec['rank_host_ms']:.3f}", f"{full[mode]:.3f}",
