@@ -235,7 +235,7 @@ def _grads(fn, *xs):
     return out, [x.grad for x in xs]
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 @cuda_liger
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_liger_rms_norm(dtype):
@@ -253,7 +253,7 @@ def test_liger_rms_norm(dtype):
         _close(a, b, what)
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 @cuda_liger
 def test_liger_geglu():
     a, b = (torch.randn(2, 512, 9216, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -265,7 +265,7 @@ def test_liger_geglu():
         _close(x, y, what)
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 @cuda_liger
 def test_liger_rope():
     b, s = 2, 512
@@ -289,7 +289,7 @@ def test_liger_rope():
         _close(x, y, what)
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 @cuda_liger
 def test_liger_loss_with_softcap():
     h = torch.randn(4096, 2304, device="cuda") * 2
@@ -313,7 +313,7 @@ def test_liger_loss_with_softcap():
     assert abs(fused.softcap_cross_entropy_sum(h, w, lab, None).item() / l0.item() - 1) > 1e-2
 
 
-@pytest.mark.cuda
+@pytest.mark.gpu
 @cuda_liger
 def test_liger_training_step_matches_pytorch():
     cfg = get_config("2b", num_hidden_layers=2, vocab_size=32000)

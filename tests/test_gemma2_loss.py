@@ -149,8 +149,7 @@ def test_peak_memory_is_a_slice_not_the_vocabulary():
     assert full_peak > 3 * logits and chunk_peak < logits / 2, (full_peak, chunk_peak)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_under_autocast_the_matmuls_run_in_its_dtype_forward_and_backward(device):
     """Under bf16 autocast the loss takes hidden and the embedding in bf16, cast once, and its
     gradient matmuls run in bf16 too (on CUDA the dW matmul too, into a float32 output), also
@@ -207,8 +206,7 @@ def test_under_autocast_the_peak_is_the_memory_plans_loss_row(compiled):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("cap", [30.0, None])
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_compiled_slices_equal_the_float64_reference(cap, device):
     """compiled=True runs each slice's elementwise work as inductor's fused kernels (C++ on CPU,
     Triton on CUDA): the same loss and gradients as the float64 full-logits reference with a

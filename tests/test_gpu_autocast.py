@@ -4,16 +4,13 @@ run-to-run atomics of the flash-attn/flex backward) inside and outside `torch.au
 tolerance of the float64 reference, with a cap-dropped control. The CPU cases are in
 tests/test_autocast.py and tests_dist/test_robustness.py.
 
-Skipped without CUDA (runs on the device machine: scripts/gpu_check.sh)."""
+Marked `gpu`: skipped without CUDA, and each kernel's cases without that kernel."""
 import os
 import sys
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    pytest.skip("CUDA not available: GPU autocast tests run on the device machine",
-                allow_module_level=True)
+from markers import with_kernels
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests_dist"))
@@ -23,7 +20,7 @@ import cp_softcap as cps  # noqa: E402
 from cp_softcap.testing import (TOLERANCES, check_against_reference, rel_err,  # noqa: E402
                                 reference_with_grads, saturating_qkv)
 
-pytestmark = pytest.mark.cuda
+pytestmark = pytest.mark.gpu
 
 
 def _run(attend, q, k, v, dout):
@@ -51,7 +48,7 @@ def _compare(inside, plain, q, k, v, dout, dtype, softcap, label, shard=lambda t
 @pytest.mark.parametrize("region", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
                          ids=["in-bf16", "in-fp16", "in-fp32"])
-@pytest.mark.parametrize("backend", ["fa4", "flex", "fa2", "torch"])
+@pytest.mark.parametrize("backend", with_kernels(["fa4", "flex", "fa2", "torch"]))
 def test_one_device_same_inside_and_outside_autocast(backend, dtype, region):
     torch.manual_seed(0)
     cap = 30.0

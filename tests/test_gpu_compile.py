@@ -4,23 +4,22 @@ fa2, flex and auto as the kernel: on one device (cps.attention and CPAttention(N
 2 gloo ranks sharing the GPU. The compiled call must run the kernel eager runs (never the
 pure-PyTorch math, which would hold S x S scores) with the same peak memory.
 
-Skipped without CUDA; a kernel whose package or GPU is missing is skipped with the probe's reason.
+Marked `gpu`: skipped without CUDA; a kernel whose package or GPU is missing is skipped with the
+probe's reason.
 """
 import os
 import sys
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    pytest.skip("CUDA not available: GPU compile tests run on a GPU machine", allow_module_level=True)
+from markers import with_kernels
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests_dist"))
 from harness import run_ranks  # noqa: E402
 from test_gpu_cp import _skip_unless  # noqa: E402
 
-pytestmark = pytest.mark.cuda
+pytestmark = pytest.mark.gpu
 H, HKV, D = 8, 4, 128
 
 
@@ -74,7 +73,7 @@ def _layer(backend, group=None, comm="ring"):
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("backend", ["fa4", "fa2", "flex", "auto"])
+@pytest.mark.parametrize("backend", with_kernels(["fa4", "fa2", "flex", "auto"]))
 def test_one_device_compiled_block(backend, compiler, monkeypatch):
     if backend != "auto":
         _skip_unless(backend)
@@ -127,8 +126,8 @@ def _two_rank_worker(rank, world, backend, comm):
     return True
 
 
-@pytest.mark.parametrize("backend,comm", [("fa4", "ring"), ("fa4", "a2a"), ("fa2", "ring"),
-                                          ("flex", "all_gather")])
+@pytest.mark.parametrize("backend,comm", with_kernels([("fa4", "ring"), ("fa4", "a2a"), ("fa2", "ring"),
+                                                       ("flex", "all_gather")]))
 def test_two_ranks_one_gpu_compiled_block(backend, comm):
     _skip_unless(backend)
     run_ranks(_two_rank_worker, 2, backend, comm, timeout=400)

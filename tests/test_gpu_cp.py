@@ -4,25 +4,23 @@ GPU 2 and 4 ranks share it through gloo (CUDA tensors staged through host memory
 point-to-point); with 2 or more GPUs also one rank per GPU over NCCL, the production transport,
 where a stalled peer must end in an error, never a hang.
 
-Skipped without CUDA (the NCCL cases without enough GPUs). Uses tests_dist/harness.py and
-ranks.py (forkserver ranks, hard timeout).
+Marked `gpu`: skipped without CUDA, each kernel's cases without that kernel, and the NCCL
+cases (`nccl`, `multi_gpu(n)`) without n GPUs. Uses tests_dist/harness.py and ranks.py
+(forkserver ranks, hard timeout).
 """
 import os
 import sys
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    pytest.skip("CUDA not available: GPU CP tests run on the device machine (scripts/gpu_check.sh)",
-                allow_module_level=True)
+from markers import with_kernels
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests_dist"))
 from harness import _CTX, run_ranks  # noqa: E402
 from ranks import failure_text, spawn_ranks  # noqa: E402
 
-pytestmark = pytest.mark.cuda
+pytestmark = pytest.mark.gpu
 
 
 def _worker(rank, world, backend, comm, window):
@@ -66,7 +64,7 @@ def _skip_unless(backend):
         pytest.skip(f"{backend}: {reason}")
 
 
-@pytest.mark.parametrize("backend,world", [("fa4", 2), ("fa4", 4), ("flex", 2)])
+@pytest.mark.parametrize("backend,world", with_kernels([("fa4", 2), ("fa4", 4), ("flex", 2)]))
 def test_ring_on_one_gpu(backend, world):
     _skip_unless(backend)
     for errs in run_ranks(_worker, world, backend, "ring", None, timeout=300):
@@ -74,6 +72,7 @@ def test_ring_on_one_gpu(backend, world):
 
 
 @pytest.mark.parametrize("comm,window", [("ring", (200, 0)), ("all_gather", None), ("a2a", None)])
+@pytest.mark.fa4
 def test_other_comms_and_window_with_fa4(comm, window):
     _skip_unless("fa4")
     run_ranks(_worker, 2, "fa4", comm, window, timeout=300)
@@ -82,6 +81,7 @@ def test_other_comms_and_window_with_fa4(comm, window):
 @pytest.mark.parametrize("comm,world,window", [
     ("ring", 2, None), ("ring", 4, None), ("ring", 4, (200, 0)), ("all_gather", 2, None),
     ("all_gather", 4, (200, 0)), ("a2a", 2, None), ("a2a", 4, None)])
+@pytest.mark.fa2
 def test_cp_with_fa2(comm, world, window):
     """flash-attn 2 as the per-chunk kernel of every comm type (a2a at 4 ranks replicates the 2
     KV heads); ring windows give chunk pairs with empty rows (+inf LSE from flash-attn 2)."""
@@ -122,6 +122,7 @@ def _bitwise_worker(rank, world, window, keys):
 
 @pytest.mark.parametrize("window", [None, (200, 0)])        # (200, 0): rank 3's blocks mix dtypes
 @pytest.mark.parametrize("keys", ["0", str(1 << 20)])
+@pytest.mark.fa4
 def test_fa4_bf16_returns_are_bitwise_float32_returns(window, keys):
     _skip_unless("fa4")
     results = run_ranks(_bitwise_worker, 4, window, keys, timeout=300)
@@ -129,6 +130,7 @@ def test_fa4_bf16_returns_are_bitwise_float32_returns(window, keys):
     assert sum(n for _, n in results) > 0, results
 
 
+@pytest.mark.fa4
 def test_a2a_with_replicated_kv_heads_with_fa4():
     """4 ranks, 2 KV heads: each KV head lives on two ranks; their bf16 gradients are summed in
     float32 on the way back."""
@@ -146,13 +148,12 @@ def _nccl_worker(rank, world, backend):
     return [_worker(rank, world, backend, comm, window) for comm, window in NCCL_CASES]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("backend", ["fa4", "fa2", "flex"])
+@pytest.mark.parametrize("world", [pytest.param(n, marks=pytest.mark.multi_gpu(n)) for n in (2, 4)])
+@pytest.mark.parametrize("backend", with_kernels(["fa4", "fa2", "flex"]))
+@pytest.mark.nccl
 def test_every_comm_over_nccl(backend, world):
     """Every comm type, causal and windowed, rank r on GPU r (a2a at 4 ranks replicates the 2
     KV heads); one process group per (kernel, world) for all cases."""
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs for one rank per GPU, have {torch.cuda.device_count()}")
     _skip_unless(backend)
     for errs in run_ranks(_nccl_worker, world, backend, timeout=400, backend="nccl"):
         print(backend, world, errs)
@@ -176,14 +177,14 @@ def _stall_worker(rank, world):
 
 
 @pytest.mark.parametrize("blocking", [True, False])
+@pytest.mark.nccl
+@pytest.mark.multi_gpu(2)
+@pytest.mark.flex
 def test_stalled_peer_over_nccl_ends(blocking):
     """With TORCH_NCCL_BLOCKING_WAIT=1 the waiting rank raises the library's error naming the op
     and the rank after the process group's timeout; without it NCCL's watchdog ends the waiting
     process after that timeout. Either way: no hang."""
     import time
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs for one rank per GPU over NCCL")
-    _skip_unless("flex")
     env = {"TORCH_NCCL_BLOCKING_WAIT": "1" if blocking else "0", "CP_SOFTCAP_BACKEND": "flex"}
     t0 = time.monotonic()
     out, running = spawn_ranks(_stall_worker, 2, (), ctx=_CTX, deadline_s=180, env=env,

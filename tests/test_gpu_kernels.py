@@ -1,31 +1,23 @@
 """GPU kernels (fa4, flex, sdpa, fa2, fa3) against the float64 reference, on CUDA only.
 
-Skipped at module level without CUDA. Each kernel that its probe rejects here (package missing,
-opt-in not set) is skipped with the probe's reason. Logits saturate tanh (|s| > 2*cap on most
-entries); every output and gradient is checked for NaN/inf; a negative control shows that an
-uncapped kernel would fail. Run: pytest tests/test_gpu_kernels.py -m cuda -rs
+Marked `gpu` (and each case with its kernel's marker): skipped without CUDA, and a kernel that
+its probe rejects here (package missing, opt-in not set) is skipped with the probe's reason.
+Logits saturate tanh (|s| > 2*cap on most entries); every output and gradient is checked for
+NaN/inf; a negative control shows that an uncapped kernel would fail.
+Run: pytest tests/test_gpu_kernels.py -rs
 """
-import os
-
 import pytest
 import torch
+from markers import with_kernels
 
-# CP_SOFTCAP_GPU_TESTS_ON_CPU=1: dry run of this file's logic on CPU with the torch kernel standing
-# in for every GPU kernel (catches test bugs before spending device minutes).
-DRY = os.environ.get("CP_SOFTCAP_GPU_TESTS_ON_CPU") == "1"
-if not torch.cuda.is_available() and not DRY:
-    pytest.skip("CUDA not available: GPU kernel tests run on the device machine "
-                "(scripts/gpu_check.sh)", allow_module_level=True)
+from cp_softcap.kernels import get_kernel
+from cp_softcap.merge import merge
+from cp_softcap.spec import make_spec
+from cp_softcap.testing import assert_cap_matters, check_result, saturating_qkv
 
-from cp_softcap.kernels import get_kernel                        # noqa: E402
-from cp_softcap.merge import merge                               # noqa: E402
-from cp_softcap.spec import make_spec                            # noqa: E402
-from cp_softcap.testing import (assert_cap_matters, check_result,  # noqa: E402
-                                saturating_qkv)
-
-pytestmark = pytest.mark.cuda
-DEV = "cpu" if DRY else "cuda"
-CAPPED = ["fa4", "flex", "fa2", "fa3"]
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+CAPPED = with_kernels(["fa4", "flex", "fa2", "fa3"])
 
 
 def kernel_or_skip(name, dtype=torch.bfloat16, d=128, softcap=50.0, hq=4, hkv=2, backward=True,
@@ -33,8 +25,6 @@ def kernel_or_skip(name, dtype=torch.bfloat16, d=128, softcap=50.0, hq=4, hkv=2,
     spec = make_spec(head_dim=d, num_heads=hq, num_kv_heads=hkv, dtype=dtype, device_type="cuda",
                      softcap=softcap, needs_backward=backward, return_lse=return_lse)
     k = get_kernel(name)
-    if DRY:
-        return get_kernel("sdpa" if name == "sdpa" else "torch")
     reason = k.probe(spec)
     if reason:
         pytest.skip(f"{name}: {reason}")
@@ -76,7 +66,7 @@ def test_head_dims(name, d):
     run_case(kernel, 1, 256, 256, 4, 2, d, torch.bfloat16, 50.0, (None, 0))
 
 
-@pytest.mark.skipif(DRY, reason="needs the installed flash-attn 2")
+@pytest.mark.fa2
 def test_fa2_installed_signature_carries_softcap_in_backward():
     """The installed flash-attn 2 is told apart by parameter names, and its backward takes the
     cap (2.6.2+); a backward without it would silently train uncapped."""
@@ -88,7 +78,7 @@ def test_fa2_installed_signature_carries_softcap_in_backward():
     assert backward_has_softcap(mod._flash_attn_backward)
 
 
-@pytest.mark.parametrize("name", ["fa2", "fa4", "flex"])
+@pytest.mark.parametrize("name", with_kernels(["fa2", "fa4", "flex"]))
 def test_fp16_softcap_window(name):
     kernel = kernel_or_skip(name, dtype=torch.float16, softcap=30.0)
     run_case(kernel, 1, 256, 192, 4, 2, 128, torch.float16, 30.0, (100, 60))
@@ -108,13 +98,13 @@ def test_windows(name, sq, sk, window):
     run_case(kernel, 1, sq, sk, 4, 2, 128, torch.bfloat16, 30.0, window)
 
 
-@pytest.mark.parametrize("name", ["fa4", "flex"])
+@pytest.mark.parametrize("name", with_kernels(["fa4", "flex"]))
 def test_lse_gradient(name):
     kernel = kernel_or_skip(name, softcap=30.0, return_lse=True)
     run_case(kernel, 1, 256, 256, 4, 2, 128, torch.bfloat16, 30.0, (None, 0), dlse=True)
 
 
-@pytest.mark.parametrize("name", ["fa4", "flex", "sdpa", "fa2"])
+@pytest.mark.parametrize("name", with_kernels(["fa4", "flex", "sdpa", "fa2"]))
 def test_backward_with_final_merged_lse_is_exact(name):
     """The ring property: per-chunk backward with the FINAL merged (out, lse) sums to the
     full-attention gradients (dK/dV of each chunk, dQ summed over chunks)."""
@@ -143,7 +133,6 @@ def test_sdpa_cuda_no_softcap(sq, sk, window):
     run_case(kernel, 1, sq, sk, 4, 2, 128, torch.bfloat16, None, window)
 
 
-@pytest.mark.skipif(DRY, reason="needs CUDA")
 def test_fp16_fa4_and_flex():
     for name in ("fa4", "flex"):
         spec = make_spec(head_dim=128, num_heads=4, num_kv_heads=2, dtype=torch.float16,
@@ -152,7 +141,6 @@ def test_fp16_fa4_and_flex():
             run_case(get_kernel(name), 1, 256, 256, 4, 2, 128, torch.float16, 50.0, (None, 0))
 
 
-@pytest.mark.skipif(DRY, reason="needs CUDA")
 def test_selector_picks_fastest_verified_kernel_on_cuda():
     from cp_softcap.selector import select
     spec = make_spec(head_dim=256, num_heads=16, num_kv_heads=8, dtype=torch.bfloat16,
@@ -177,9 +165,10 @@ def test_cps_attention_end_to_end_on_cuda():
 
 @pytest.mark.parametrize("softcap", [1.0, 30.0])
 @pytest.mark.parametrize("window", [(None, 0), (100, 60)])
+@pytest.mark.fa4
 def test_fa4_builtin_softcap_impl(softcap, window):
     """FA4's own softcap= path (the adapter's default on sm90 is its score_mod): same checks."""
     kernel_or_skip("fa4", softcap=softcap)
     from cp_softcap.kernels.fa4 import FA4Kernel
-    kernel = get_kernel("torch") if DRY else FA4Kernel(softcap_impl="builtin")
+    kernel = FA4Kernel(softcap_impl="builtin")
     run_case(kernel, 1, 256, 192, 4, 2, 128, torch.bfloat16, softcap, window, dlse=True)

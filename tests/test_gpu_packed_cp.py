@@ -4,24 +4,22 @@ installed, flex, the torch kernel), every comm type, against the float64 referen
 document attention (saturating softcap, causal and a window smaller than the documents), with
 a negative control (boundaries dropped must fail).
 
-Skipped without CUDA. Uses tests_dist/harness.py (forkserver ranks, hard timeout).
+Marked `gpu`: skipped without CUDA, each kernel's cases without that kernel, the NCCL cases
+without enough GPUs. Uses tests_dist/harness.py (forkserver ranks, hard timeout).
 """
 import os
 import sys
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    pytest.skip("CUDA not available: GPU CP tests run on the device machine (scripts/gpu_check.sh)",
-                allow_module_level=True)
+from markers import with_kernels
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests_dist"))
 from harness import run_ranks  # noqa: E402
 from packed_cp_check import worker  # noqa: E402
 
-pytestmark = pytest.mark.cuda
+pytestmark = pytest.mark.gpu
 
 
 def _skip_unless(backend, dtype):
@@ -35,7 +33,7 @@ def _skip_unless(backend, dtype):
         pytest.skip(f"{backend}: {reason}")
 
 
-@pytest.mark.parametrize("backend,dtype,world,comms,window", [
+@pytest.mark.parametrize("backend,dtype,world,comms,window", with_kernels([
     ("flex", torch.bfloat16, 2, ("ring", "all_gather", "a2a", "auto"), None),
     ("flex", torch.bfloat16, 4, ("ring", "a2a+p2p"), (100, 0)),
     ("fa2", torch.bfloat16, 2, ("ring", "all_gather", "a2a", "auto"), None),
@@ -43,7 +41,7 @@ def _skip_unless(backend, dtype):
     ("fa4", torch.bfloat16, 2, ("ring", "all_gather", "a2a", "auto"), None),
     ("fa4", torch.bfloat16, 4, ("ring", "a2a+p2p"), (100, 0)),
     ("torch", torch.float32, 2, ("ring", "all_gather", "a2a"), (100, 0)),
-])
+], documents=True))
 def test_packed_cp_on_one_gpu(backend, dtype, world, comms, window):
     _skip_unless(backend, dtype)
     reports = run_ranks(worker, world, backend, dtype, comms, window, "cuda", timeout=500)
@@ -55,15 +53,15 @@ def test_packed_cp_on_one_gpu(backend, dtype, world, comms, window):
         assert dropped > 0.1, f"{backend} {comm}: the boundaries-dropped control is too weak"
 
 
-@pytest.mark.parametrize("backend", ["fa4", "fa2", "flex"])
+@pytest.mark.parametrize("backend", with_kernels(["fa4", "fa2", "flex"], documents=True))
 @pytest.mark.parametrize("world,comms,window", [
-    (2, ("ring", "all_gather", "a2a", "auto"), None),
-    (4, ("ring", "all_gather", "a2a", "a2a+p2p", "auto"), (100, 0)),
+    pytest.param(2, ("ring", "all_gather", "a2a", "auto"), None, marks=pytest.mark.multi_gpu(2)),
+    pytest.param(4, ("ring", "all_gather", "a2a", "a2a+p2p", "auto"), (100, 0),
+                 marks=pytest.mark.multi_gpu(4)),
 ])
+@pytest.mark.nccl
 def test_packed_cp_over_nccl(backend, world, comms, window):
     """Rank r on GPU r over NCCL (the production transport), packed documents, every comm type."""
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs for one rank per GPU, have {torch.cuda.device_count()}")
     _skip_unless(backend, torch.bfloat16)
     reports = run_ranks(worker, world, backend, torch.bfloat16, comms, window, "cuda", timeout=400,
                         backend="nccl")

@@ -1,15 +1,17 @@
 """GPU: kernels with document segments (segments=) against the float64 reference, on CUDA:
 the torch kernel, flex's compiled forward AND backward (CPU covers flex's forward only), and
-fa2's and fa4's real varlen functions where they are installed. Skipped without CUDA."""
+fa2's and fa4's real varlen functions where they are installed. Marked `gpu`: skipped without
+CUDA, and each kernel's cases without that kernel."""
 import pytest
 import torch
+from markers import with_kernels
 
 from cp_softcap.kernels import get_kernel
 from cp_softcap.kernels.flex import FlexKernel
 from cp_softcap.kernels.torch_kernel import TorchKernel
 from segment_checks import SEGMENT_CASES, SEGMENT_IDS, check_segmented
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu
 CAPS = [50.0, 1.0, 30.0, 5.0]
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -23,6 +25,7 @@ def test_torch_kernel_segments_cuda(ci):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("ci", range(len(SEGMENT_CASES)), ids=SEGMENT_IDS)
+@pytest.mark.flex
 def test_flex_segments_cuda(ci, dtype):
     cu_q, cu_k, window, _ = SEGMENT_CASES[ci]
     check_segmented(FlexKernel(), (cu_q, cu_k), window, softcap=CAPS[ci % 4], dtype=dtype,
@@ -31,6 +34,7 @@ def test_flex_segments_cuda(ci, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("ci", range(len(SEGMENT_CASES)), ids=SEGMENT_IDS)
+@pytest.mark.fa2(documents=True)
 def test_fa2_varlen_cuda(ci, dtype):
     fa2 = get_kernel("fa2")
     if fa2._interface() is None:
@@ -43,6 +47,7 @@ def test_fa2_varlen_cuda(ci, dtype):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("ci", range(len(SEGMENT_CASES)), ids=SEGMENT_IDS)
+@pytest.mark.fa4
 def test_fa4_varlen_cuda(ci, dtype, d):
     """FA4's varlen entry points with our score_mod softcap (sm90) or its own (elsewhere):
     every segment case (length-1 documents, empty segments, windows narrower and wider than the
@@ -58,6 +63,7 @@ def test_fa4_varlen_cuda(ci, dtype, d):
 @pytest.mark.parametrize("heads", [(16, 8, 256), (32, 16, 128)], ids=["9B", "27B"])
 @pytest.mark.parametrize("window", [(None, 0), (63, 0), (4095, 0), (None, None)],
                          ids=["causal", "w63", "w4095", "full"])
+@pytest.mark.fa4
 def test_fa4_varlen_gemma2_heads_long_documents(heads, window):
     """Gemma2 head shapes, documents spanning many kernel tiles next to length-1 ones, a window
     narrower (63) and wider (4095) than most documents, softcap 50 (saturating); fully visible
@@ -71,6 +77,7 @@ def test_fa4_varlen_gemma2_heads_long_documents(heads, window):
                     device="cuda")
 
 
+@pytest.mark.fa4
 def test_fa4_varlen_many_segments_and_deterministic():
     """More than 256 sequences in one varlen call (FA4 switches to another scheduler there: a
     packed run's diagonal call holds all its documents), batch 2, length-1 and empty segments;
@@ -98,7 +105,7 @@ def test_fa4_varlen_many_segments_and_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
-@pytest.mark.parametrize("backend", ["fa4", "fa2", "flex", "auto"])
+@pytest.mark.parametrize("backend", with_kernels(["fa4", "fa2", "flex", "auto"], documents=True))
 def test_packed_attention_cuda(backend):
     """cps.attention(cu_seqlens=) on CUDA in bf16: documents of length 1, shorter and longer than
     a kernel tile, a window, a padding tail; float64 reference of the whole stream."""

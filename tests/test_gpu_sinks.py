@@ -4,22 +4,20 @@ with the sink column: one device with fa4, fa2 and flex, and context parallelism
 sharing the GPU (gloo) for every comm. Sinks large enough to dominate some heads' rows; with
 and without a saturating softcap; a negative control (the sink dropped) must miss the reference.
 
-Skipped without CUDA and per kernel when its probe says it cannot run here.
+Marked `gpu`: skipped without CUDA and per kernel when its probe says it cannot run here.
 """
 import os
 import sys
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    pytest.skip("CUDA not available: GPU sinks tests need a GPU", allow_module_level=True)
+from markers import with_kernels
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests_dist"))
 from harness import run_ranks  # noqa: E402
 
-pytestmark = pytest.mark.cuda
+pytestmark = pytest.mark.gpu
 
 HQ, HKV, D = 64, 8, 64
 WINDOW = (127, 0)        # gpt-oss's sliding_window=128: the row's key and the 127 before it
@@ -68,7 +66,7 @@ def _skip_unless(backend, cap, cp_size=1):
 
 
 @pytest.mark.parametrize("cap", [None, 30.0])
-@pytest.mark.parametrize("backend", ["fa4", "fa2", "flex"])
+@pytest.mark.parametrize("backend", with_kernels(["fa4", "fa2", "flex"]))
 def test_one_device_gpt_oss_shape(backend, cap):
     import cp_softcap as cps
     _skip_unless(backend, cap)
@@ -104,7 +102,7 @@ def _cp_worker(rank, world, backend, comm, cap):
 
 
 @pytest.mark.parametrize("comm", ["ring", "all_gather", "a2a"])
-@pytest.mark.parametrize("backend", ["fa4", "fa2", "flex"])
+@pytest.mark.parametrize("backend", with_kernels(["fa4", "fa2", "flex"]))
 def test_cp_two_ranks_gpt_oss_shape(backend, comm):
     _skip_unless(backend, 30.0, cp_size=2)
     for errs in run_ranks(_cp_worker, 2, backend, comm, 30.0, timeout=300):
