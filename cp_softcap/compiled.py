@@ -34,6 +34,8 @@ new length recompiles, while a tensor (or a PackedLayout) of a new length recomp
 """
 from __future__ import annotations
 
+import contextlib
+
 import itertools
 import threading
 from typing import Dict, List, Optional, Tuple
@@ -139,6 +141,34 @@ def _take(handle: torch.Tensor):
 
 # ----------------------------------------------------------------- the operators
 
+def _eager_dispatch():
+    """The dispatcher state of an ordinary eager call, for the library call inside an operator.
+    A compiled graph's first run goes through a dispatch mode (torch.compile's check that custom
+    operators' outputs do not alias their inputs), and inside a mode every dispatch key above
+    Python is excluded: functorch's among them, so vmap fails there ("NYI: querying
+    is_contiguous inside of vmap"; flex's create_block_mask and its eager path use vmap), and a
+    nested torch.compile (flex on CUDA) traces with fake tensors that cannot dispatch. Autograd
+    and autocast exclusions are the operator's own (it runs below both) and stay."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    keep = exclude
+    for name in _MODE_EXCLUDED:
+        key = getattr(torch._C.DispatchKey, name, None)
+        if key is not None and exclude.has(key):
+            keep = keep.remove(key)
+    if keep == exclude:
+        return contextlib.nullcontext()
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), keep)
+
+
+# the keys above Python that a dispatch mode excludes, other than autograd and autocast
+_MODE_EXCLUDED = (
+    "FuncTorchDynamicLayerFrontMode", "FuncTorchDynamicLayerBackMode", "FuncTorchBatched",
+    "FuncTorchVmapMode", "FuncTorchGradWrapper", "BatchedNestedTensor", "Batched", "VmapMode",
+    "Functionalize", "Conjugate", "Negative", "ZeroTensor", "ADInplaceOrView", "Tracer",
+    "DeferredInit", "PythonTLSSnapshot", "PreDispatch")
+
+
+
 @torch.library.custom_op("cp_softcap::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   sinks: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], groups: str, comm: str, backend: str,
@@ -164,7 +194,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         cu = [int(x) for x in cu_seqlens.tolist()]
         if layout:
             cu = _layout(cu, q.shape[1], groups, layout_windows)
-    with torch.enable_grad():
+    with torch.enable_grad(), _eager_dispatch():
         if one_device:
             out, lse = attention(q, k, v, return_lse=True, cu_seqlens=cu, sinks=sinks, **options)
         else:
@@ -197,7 +227,8 @@ def _backward_op(handle: torch.Tensor, dout: torch.Tensor, dlse: Optional[torch.
         outputs.append(lse)
         grad_outputs.append(dlse)
     wanted = [t for t, g in zip(inputs, grads) if g and t is not None]
-    found = iter(torch.autograd.grad(outputs, wanted, grad_outputs, allow_unused=True))
+    with _eager_dispatch():
+        found = iter(torch.autograd.grad(outputs, wanted, grad_outputs, allow_unused=True))
     result, seen = [], {dout.untyped_storage().data_ptr()}
     for t, g in zip(inputs, grads):
         if t is None:                           # no sinks: an empty placeholder

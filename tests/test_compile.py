@@ -202,3 +202,50 @@ def test_copying_saved_tensor_hook_is_refused_clearly():
         out2, _ = fn(*_inputs(9), None)       # the next call frees the first call's graph
     with pytest.raises(RuntimeError, match="saved-tensor hook"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_flex_first_compiled_call_equals_eager(packed):
+    """flex builds its block masks with vmap (create_block_mask) and its CPU path is eager flex
+    (vmap again). A compiled graph's first run calls the operator inside torch.compile's aliasing
+    check, a dispatch mode that excludes functorch's keys: the operator gives the library call an
+    ordinary dispatcher state, so that first call runs and equals eager. (flex has no CPU
+    backward: forward only here; the GPU tests compile its backward.)"""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 64, h, 16) for h in (4, 2, 2))
+    cu = [0, 20, 64] if packed else None
+
+    def fn(q, k, v):
+        return cps.attention(q, k, v, softcap=5.0, window=(9, 0), cu_seqlens=cu, backend="flex")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = fn(q, k, v)
+        compiled_fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        assert torch.equal(compiled_fn(q, k, v), eager)
+        assert torch.equal(compiled_fn(q, k, v), eager)
+
+
+def test_operator_restores_functorch_inside_a_dispatch_mode():
+    """What the first compiled call does, without the compiler: an operator inside a dispatch
+    mode. vmap fails there as it is, and works under the operator's dispatcher state."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    seen = []
+
+    def vmapped():
+        return torch.vmap(lambda x: x + torch.tensor(1.0))(torch.zeros(3))
+
+    class Probe(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not seen:
+                try:
+                    vmapped()
+                    seen.append("plain ok")
+                except RuntimeError:
+                    seen.append("plain fails")
+                with compiled._eager_dispatch():
+                    seen.append(torch.equal(vmapped(), torch.ones(3)))
+            return func(*args, **(kwargs or {}))
+    x = torch.zeros(2)
+    with Probe():
+        x.add(1)
+    assert seen == ["plain fails", True], seen
