@@ -33,7 +33,9 @@ What CPTrainer changes, each through a Trainer or accelerate hook (docs/hf_train
 Refused with a message naming the fix: cp that does not divide the world, a model whose attention
 does not route through cp_softcap, a padding attention mask, packed documents spread over several
 rows or not starting at position 0, unpacked lengths that 2 * cp does not divide, accelerate's
-own CP/SP/TP, per-rank token averaging, label smoothing, a custom compute_loss_func, compute_metrics
+own CP/SP/TP, per-rank token averaging, a MoE load-balancing loss (config.output_router_logits with
+a router_aux_loss_coef: a function of the whole batch's routing), label smoothing, a custom
+compute_loss_func, compute_metrics
 (and predict(): the logits are sharded, evaluation is loss only), dispatched batches.
 """
 from __future__ import annotations
@@ -315,6 +317,14 @@ class CPTrainerMixin:
         if not self.model_accepts_loss_kwargs:
             problems.append("the model does not take num_items_in_batch, so the loss cannot be "
                             "normalised by the global token count")
+        config = getattr(self.model, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        coef = getattr(text, "router_aux_loss_coef", 0.0)
+        if self.cp_size > 1 and getattr(text, "output_router_logits", False) and coef:
+            problems.append(f"the model adds a MoE load-balancing loss (config.output_router_logits=True, "
+                            f"router_aux_loss_coef={coef}), which each CP rank would compute from the routing "
+                            "of its shard of the tokens instead of the whole batch's; set "
+                            "model.config.output_router_logits = False")
         if args.label_smoothing_factor or self.compute_loss_func is not None:
             problems.append("label smoothing / compute_loss_func see sharded logits without the global "
                             "token count; leave them unset")
