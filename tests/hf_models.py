@@ -1,5 +1,5 @@
-"""Tiny random Gemma2 models for the HF integration tests (callers importorskip transformers
-first)."""
+"""Tiny random HF models (Gemma2, gpt-oss, and every family of examples/hf/families.py) as
+eager / cp_softcap pairs for the HF integration tests (callers importorskip transformers first)."""
 import copy
 
 import torch
@@ -47,5 +47,32 @@ def gptoss_pair(**config):
             if name.endswith("sinks"):
                 p.copy_(torch.tensor(GPTOSS_SINKS))
     ours = transformers.GptOssForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="cp_softcap")
+    ours.load_state_dict(eager.state_dict())
+    return eager, ours
+
+
+# Gemma2's softcaps small enough for the 0.5-scaled weights to saturate them
+_SATURATE = {"gemma2": dict(attn_logit_softcapping=3.0, final_logit_softcapping=5.0)}
+
+
+def family_pair(family, dtype=torch.float64, **config):
+    """(eager, ours): examples/hf/families.py's tiny random model of `family` under "eager" and
+    "cp_softcap" with the same weights, scaled as gemma2_pair's (gpt-oss's sinks GPTOSS_SINKS),
+    in float64 by default (gpt-oss with its "eager" experts, which take float64). `config`
+    overrides fields of the family's tiny config."""
+    import os
+    import sys
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "hf")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    from families import tiny_model
+    config = {**_SATURATE.get(family, {}), **config}
+    eager = tiny_model(family, "eager", dtype=dtype, **config)
+    with torch.no_grad():
+        for name, p in eager.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if "norm" in name else 0.5))
+            if name.endswith("sinks"):
+                p.copy_(torch.tensor(GPTOSS_SINKS, dtype=p.dtype))
+    ours = tiny_model(family, "cp_softcap", dtype=dtype, **config)
     ours.load_state_dict(eager.state_dict())
     return eager, ours
