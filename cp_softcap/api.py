@@ -25,7 +25,8 @@ from .kernels.base import Kernel
 from .export import export_attention
 from .packed_local import (packed_attention, save_for_local_backward, saved_for_local_backward,
                            second_order_safe)
-from .plan import Backend, Plan, check_group, is_exporting, local_plan_for, plan_for
+from .groups import check_group
+from .plan import Backend, Plan, is_exporting, local_plan_for, plan_for
 from .selector import check_backend
 from .spec import (alignment_error, check_causal_align, check_comm, normalize_softcap,
                    normalize_window, unaligned)
@@ -211,7 +212,7 @@ def _one_rank(group, comm: str) -> bool:
     """Whether `group` runs the call on one device. Asked only of a call about to be refused:
     an invalid group answers False, and the plan refuses it with its own message."""
     try:
-        from .plan import resolve_groups
+        from .groups import resolve_groups
         return comm != "a2a+p2p" and resolve_groups(group, comm)[1] == 1
     except (TypeError, ValueError, RuntimeError):
         return False

@@ -58,7 +58,7 @@ _KERNELS: Dict[str, Kernel] = {}       # "kernel:<id>" -> a backend given as a K
 def group_names(group, comm: str) -> str:
     """The registered names of the CP group(s) as the library resolves `group`, joined by a
     space (custom operators take no list of strings); "" for None."""
-    from .plan import resolve_groups
+    from .groups import resolve_groups
     groups, cp, _ = resolve_groups(group, comm)
     if groups[0] is None:
         return ""

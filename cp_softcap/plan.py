@@ -34,7 +34,7 @@ from . import settings
 from .calls import ring_members
 from .comm_model import choose_comm
 from .documents import PackedLayout, check_cu_seqlens
-from .groups import hybrid_groups, hybrid_rank
+from .groups import check_member, resolve_groups
 from .heads import check_heads, kv_head_index, query_head_index
 from .kernels.base import Kernel, grad_dtype
 from .layout import ring_blocks
@@ -48,7 +48,10 @@ Backend = Union[str, Kernel]
 
 def weak(groups: tuple) -> tuple:
     """Groups as weak references, for the caches' keys and values (see _GroupRef)."""
-    return tuple(weakref.ref(g) if _is_group(g) else g for g in groups)
+    return tuple(weakref.ref(g) if isinstance(g, _PROCESS_GROUP) else g for g in groups)
+
+
+_PROCESS_GROUP = getattr(dist, "ProcessGroup", ())      # torch builds without distributed
 
 
 class _GroupRef:
@@ -177,95 +180,6 @@ def signature(plan: Plan) -> Tuple[Tuple[str, str], ...]:
     return tuple(rows)
 
 
-# ---------------------------------------------------------------------------------- groups
-
-def resolve_groups(group, comm: str) -> Tuple[tuple, int, int]:
-    """((group,) or (a2a group, ring group), CP size, CP rank) for `group` as passed by the user:
-    None, a process group, a 1-D DeviceMesh, or for comm='a2a+p2p' a pair / 2-D mesh."""
-    check_comm(comm)
-    check_group(group, comm)
-    if comm == "a2a+p2p":
-        inner, outer = hybrid_groups(group)
-        return (inner, outer), dist.get_world_size(inner) * dist.get_world_size(outer), hybrid_rank(inner, outer)
-    group = _as_process_group(group, comm)
-    if group is None:
-        return (None,), 1, 0
-    if isinstance(group, (tuple, list)):
-        raise ValueError("a pair of groups is only meaningful with comm='a2a+p2p'")
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("cp_attention got a process group but torch.distributed is not initialised; "
-                           "call torch.distributed.init_process_group first (torchrun sets the env), "
-                           "or pass group=None for single-device attention")
-    return (group,), dist.get_world_size(group), dist.get_rank(group)
-
-
-def check_group(group, comm: str) -> None:
-    """Raise TypeError/ValueError unless `group` is something a CP group can be: None, a
-    ProcessGroup, a DeviceMesh, or for comm='a2a+p2p' a pair of ProcessGroups."""
-    if group is None or _is_mesh(group) or _is_group(group) or _non_member(group):
-        return
-    if isinstance(group, (tuple, list)):
-        if group and all(isinstance(r, int) and not isinstance(r, bool) for r in group):
-            raise TypeError(f"group={list(group)} is a list of ranks, not a process group: build "
-                            f"one with torch.distributed.new_group({list(group)}) (every rank of the "
-                            "default group must call it) and pass that, or None for one device")
-        if comm != "a2a+p2p":
-            raise ValueError(f"group is a {type(group).__name__} of {len(group)}: a pair of groups is "
-                             f"only meaningful with comm='a2a+p2p' (got comm={comm!r}); pass one "
-                             "ProcessGroup or a 1-D DeviceMesh")
-        if len(group) == 2 and all(_is_group(g) for g in group):
-            return
-        raise TypeError(f"comm='a2a+p2p' needs group=(a2a_group, ring_group), two ProcessGroups, "
-                        f"got {[type(g).__name__ for g in group]}; build them with "
-                        "cp_softcap.make_hybrid_groups(cp_group, a2a_size)")
-    if not isinstance(group, (int, float, str)) and not (dist.is_available() and dist.is_initialized()):
-        return              # resolve_groups: torch.distributed is not initialised
-    hint = (f" (options are keyword arguments: softcap={group!r}?)"
-            if isinstance(group, (int, float)) and not isinstance(group, bool) else "")
-    raise TypeError(f"group={group!r} ({type(group).__name__}) is not a process group: pass a "
-                    "torch.distributed ProcessGroup, a DeviceMesh, or None for one device" + hint)
-
-
-def _non_member(group) -> bool:
-    """What dist.new_group returns on a rank outside the group (an int): check_member says so."""
-    return (dist.is_available() and isinstance(group, int)
-            and group == dist.GroupMember.NON_GROUP_MEMBER)
-
-
-def _is_group(group) -> bool:
-    return dist.is_available() and isinstance(group, dist.ProcessGroup)
-
-
-def _is_mesh(group) -> bool:
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(group, DeviceMesh)
-
-
-def _as_process_group(group, comm: str):
-    """A 1-D DeviceMesh stands for its process group (2-D meshes are for comm='a2a+p2p')."""
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # pragma: no cover
-        return group
-    if isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            raise ValueError(f"a {group.ndim}-D DeviceMesh needs comm='a2a+p2p'; pass mesh['cp'] for comm={comm!r}")
-        return group.get_group()
-    return group
-
-
-def check_member(cp_size: int) -> None:
-    """ValueError unless this rank is a member of the CP group (cp_size from resolve_groups)."""
-    if cp_size < 1:        # get_world_size(group) is -1 on a rank outside `group`
-        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else "?"
-        raise ValueError(f"global rank {me} is not a member of the process group passed as the CP "
-                         f"group (its size seen from here is {cp_size}); pass the CP group this rank "
-                         "belongs to (e.g. mesh['cp'] of a DeviceMesh) or None for one device")
-
-
 # ---------------------------------------------------------------------------------- plans
 
 class _OneDevice:
@@ -390,7 +304,7 @@ def _typed(x):
 
 
 def _cacheable(root) -> bool:
-    return root is _ONE_DEVICE or _is_group(root)
+    return root is _ONE_DEVICE or isinstance(root, _PROCESS_GROUP)
 
 
 def _call_key(q, k, v, call: tuple, options: tuple, cu_seqlens, sinks=None) -> Optional[tuple]:
