@@ -63,8 +63,14 @@ def test_probe_reports_missing_package(monkeypatch):
 
 
 def test_fa3_is_opt_in(monkeypatch):
+    """One home for the opt-in: the selector's rule (the kernel's probe says only whether FA3
+    can run here)."""
+    from cp_softcap.selector import select
     monkeypatch.delenv("CP_SOFTCAP_FA3", raising=False)
-    assert "CP_SOFTCAP_FA3=1" in get_kernel("fa3").probe(_spec())
+    monkeypatch.setattr(type(get_kernel("fa3")), "probe", lambda self, spec: None)
+    with pytest.raises(ValueError, match="CP_SOFTCAP_FA3=1"):
+        select(_spec(), "fa3")
+    assert select(_spec(), "auto").name != "fa3"
     assert get_kernel("fa3").caps.cp is False
 
 

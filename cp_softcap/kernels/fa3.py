@@ -20,7 +20,6 @@ from typing import Dict, Optional
 
 import torch
 
-from ..settings import fa3_enabled
 from ..spec import Window
 from ._common import (common_cuda_reason, cuda_arch, fa2_lse, fa_backward_empty, fa_forward_empty,
                       fa_window, missing_params, softcap_value, try_import)
@@ -87,8 +86,6 @@ class FA3Kernel(Kernel):
         return self._mod
 
     def probe(self, spec) -> Optional[str]:
-        if not fa3_enabled():
-            return "opt-in only: set CP_SOFTCAP_FA3=1 (single device, never under CP)"
         reason = common_cuda_reason(spec, "fa3")
         if reason:
             return reason
