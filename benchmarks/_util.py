@@ -1,32 +1,48 @@
-"""Shared helpers for the benchmarks: timing, FLOP convention, JSON + PNG output.
+"""The benchmarks' shared harness: timing, the FLOP convention, the record format, where records
+go, gloo ranks on CPU. Every benchmark writes through `save` / `report`, so every record in
+benchmarks/results/ has the same shape:
 
+    {"meta": {<the benchmark's own settings>, "device": "<GPU name> (torch X)" | "cpu (...)",
+              "argv": [...], "env": {...}},          # env: see environment()
+     "records": [{...}, ...]}
+
+Timing (`bench_ms`): one untimed call first (JIT, compilation, autotuning), then on a GPU the
+median of triton.testing.do_bench (CUDA events around each repetition, the L2 cache flushed
+between them) over `rep_ms`; on CPU (dry runs) the wall-clock median of three calls, which checks
+a script, not a speed.
 FLOPs (causal forward): 4 * B * Hq * S^2 * D / 2; backward = 2.5 x forward (fwd+bwd = 3.5 x).
-Timing: triton.testing.do_bench (median, CUDA events) after an explicit warm-up call (JIT).
-On CPU (--dry-run) a wall-clock median stands in so scripts can be checked without a GPU.
-Multi-rank CPU benchmarks (comm_bytes, ring_cpu) start their gloo ranks with launch_ranks.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import platform
+import queue
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 from benchmarks.plots import RESULTS, bar_plot, case_plot, plot_json  # noqa: E402,F401 (re-exported)
 OUT_DIR_HELP = ("folder for the JSON and PNG (default: benchmarks/results/; a dry run: $OUT, "
                 "else a new temporary folder)")
+# versions recorded with every result (distribution names; absent ones are left out)
+PACKAGES = ("triton", "flash-attn-4", "flash-attn", "nvidia-cutlass-dsl", "liger-kernel",
+            "transformers", "ring-flash-attn", "yunchang")
 
 
 def out_dir_for(requested: Optional[str], dry: bool) -> str:
     """Where a run writes its JSON and PNG: --out-dir when given; a dry run (CPU, tiny shapes:
     a check of the script, not a measurement) goes to $OUT or a fresh temporary folder, so it
-    never overwrites the tracked figures in benchmarks/results/; a real run goes there."""
+    never overwrites the tracked records in benchmarks/results/; a real run goes there."""
     if requested:
         return requested
     if not dry:
@@ -61,11 +77,49 @@ def device_name() -> str:
     return f"cpu (torch {torch.__version__}, dry run)"
 
 
+def card(name: str) -> Optional[str]:
+    """The card's short name as results name it ("H100", "H200", ...), from the device name."""
+    for short in ("H200", "H100", "B200", "A100", "L40S", "L4"):
+        if short in name:
+            return short
+    return None
+
+
+def _git(*args: str) -> Optional[str]:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment() -> Dict:
+    """What a result was measured on: the device and card, GPU count, torch / CUDA / kernel
+    package versions, the repository's git revision (and whether the tree had changes), the date
+    (UTC) and the host's Python and processor."""
+    from importlib import metadata
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    env = {"device": name, "card": card(name),
+           "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+           "torch": torch.__version__, "cuda": torch.version.cuda,
+           "python": platform.python_version(), "machine": platform.machine(),
+           "cpus": os.cpu_count(),
+           "git": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain", "-uno")),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    for pkg in PACKAGES:
+        try:
+            env[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return env
+
+
 def save(name: str, records: List[Dict], meta: Dict, out_dir: str = RESULTS) -> str:
-    """Write <out_dir>/<name>.json; returns its path. Also copies to $OUT when set."""
+    """Write <out_dir>/<name>.json in the record format above; returns its path."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{name}.json")
-    blob = {"meta": {**meta, "device": device_name(), "argv": sys.argv}, "records": records}
+    blob = {"meta": {**meta, "device": device_name(), "argv": sys.argv, "env": environment()},
+            "records": records}
     with open(path, "w") as f:
         json.dump(blob, f, indent=1)
     return path
@@ -89,37 +143,98 @@ def table(rows: List[List[str]]) -> str:
 
 # --------------------------------------------------------------------------- gloo ranks on CPU
 
+def _rank_entry(fn, rank, world, init_file, results, args, env, pg_timeout, pin_cores):
+    import datetime as dt
+
+    import torch.distributed as dist
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    if pin_cores:       # before init_process_group, so gloo's threads inherit the pinning
+        try:
+            cores = sorted(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, {cores[rank % len(cores)]})
+        except (AttributeError, OSError):
+            pass
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world, timeout=dt.timedelta(seconds=pg_timeout))
+        results.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def launch_ranks(fn: Callable, world: int, args: Sequence = (), env: Optional[Mapping[str, str]] = None,
-                 timeout: float = 900.0, *, pg_timeout: float = 600.0, pin_cores: bool = False,
-                 poll_s: float = 1.0) -> List:
+                 timeout: float = 900.0, *, pg_timeout: float = 600.0, pin_cores: bool = False) -> List:
     """Run fn(rank, world, *args) on `world` spawned processes joined by gloo (file rendezvous in
     a fresh temporary directory, one thread each; rank r pinned to core r % ncores with
-    pin_cores) and return the ranks' return values, in rank order. fn must be picklable (a
-    module-level function) and so must args and the values it returns.
+    pin_cores) and return the ranks' return values, in rank order. fn, args and the values it
+    returns must pickle.
 
-    env is put into os.environ around the spawn (restored afterwards), so the children have it
+    env is in os.environ while the processes start (restored afterwards), so the children have it
     from exec: malloc (MALLOC_*) and OpenMP read theirs at process start, not later.
     pg_timeout is the process group's timeout (s); timeout is the whole launch's deadline (s).
 
-    Raises RuntimeError, after every process is gone (joined, or killed): with the traceback of
-    the lowest rank that raised; for a rank that exited without reporting, with its exit code or
-    signal; or when ranks are still running after `timeout` seconds, naming them.
-    The process handling is tests_dist/ranks.py's spawn_ranks (shared with the tests)."""
-    from tests_dist.ranks import failure_text, spawn_ranks
+    Raises RuntimeError, after every process is gone: with the traceback of the first rank that
+    raised, the exit code of a rank that died without reporting, or the ranks still running
+    after `timeout` seconds."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
     env = dict(env or {})
-    out, running = spawn_ranks(fn, world, args, ctx="spawn", deadline_s=timeout, env=env,
-                               env_at_start=True, pg_timeout=pg_timeout, pin_cores=pin_cores,
-                               poll_s=poll_s, grace_s=10.0)
+    out: Dict[int, tuple] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_rank_entry, daemon=True,
+                             args=(fn, r, world, os.path.join(tmp, "rdzv"), results, tuple(args),
+                                   env, pg_timeout, pin_cores)) for r in range(world)]
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        end = time.monotonic() + timeout
+        try:
+            while len(out) < world and time.monotonic() < end:
+                try:
+                    rank, status, value = results.get(timeout=1.0)
+                    out[rank] = (status, value)
+                    if status != "ok":
+                        break
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+                    if dead:
+                        time.sleep(1.0)         # its last report may still be in the pipe
+                        while True:
+                            try:
+                                rank, status, value = results.get_nowait()
+                                out[rank] = (status, value)
+                            except queue.Empty:
+                                break
+                        for r in dead:
+                            out.setdefault(r, ("exit", procs[r].exitcode))
+                        if any(out[r][0] != "ok" for r in dead):
+                            break
+        finally:
+            for p in procs:
+                p.join(timeout=5 if len(out) == world else 0.5)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
     failed = sorted(r for r, (status, _) in out.items() if status != "ok")
     if failed:
-        r, others = failed[0], failed[1:]
-        raise RuntimeError(f"{fn.__name__}: rank {r} of {world} failed"
-                           + (f" (ranks {others} failed too)" if others else "")
-                           + f":\n{failure_text(out[r])}")
-    if running:
-        knob = env.get("CP_SOFTCAP_TIMEOUT", os.environ.get("CP_SOFTCAP_TIMEOUT", "(unset)"))
-        raise RuntimeError(
-            f"{fn.__name__}: ranks {running} of {world} did not finish within "
-            f"timeout={timeout}s (process-group timeout {pg_timeout}s, "
-            f"CP_SOFTCAP_TIMEOUT={knob}); ranks {sorted(out)} had reported")
+        status, value = out[failed[0]]
+        detail = value if status == "error" else f"exited with code {value} without a result"
+        raise RuntimeError(f"{fn.__name__}: rank {failed[0]} of {world} failed:\n{detail}")
+    if len(out) < world:
+        raise RuntimeError(f"{fn.__name__}: ranks {sorted(set(range(world)) - set(out))} of {world} "
+                           f"did not finish within timeout={timeout}s (process-group timeout "
+                           f"{pg_timeout}s); ranks {sorted(out)} had reported")
     return [out[r][1] for r in range(world)]

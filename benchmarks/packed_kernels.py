@@ -2,8 +2,8 @@
 segments (fa4, fa2, flex), next to cuDNN SDPA (no softcap) on a dense causal call of the same
 visible area, in one run.
 
-    python benchmarks/packed_kernels.py                 # H200/H100: 128K streams, 9B and 27B heads
-    python benchmarks/packed_kernels.py --dry-run       # CPU, tiny shapes, torch kernel only
+    python -m benchmarks.packed_kernels              # GPU: 128K streams, 9B and 27B heads
+    python -m benchmarks.packed_kernels --dry-run    # CPU, tiny shapes, torch kernel only
 
 Streams: benchmarks/packing_balance.mix (seed 0), the same as the packing and cp_sim benchmarks:
 "long-tail" (document lengths 16..32K, log-uniform) and "short" (64..2K). Causal, softcap 50.
@@ -17,11 +17,13 @@ varlen function on the same documents without the library, with the library's so
 without any: a gap to cuDNN splits into the document structure's share (nocap), the softcap's
 and the library's. The rows "cudnn-varlen" and "flash-varlen" are PyTorch's own varlen kernels
 (SDPA on nested tensors, no cap) on the same documents: what the best uncapped kernels reach on
-this document structure. Writes packed_kernels[_tag].json and .png.
+this document structure. The row "library-only" runs the library with a kernel that does no
+work (FreeKernel): the library's own time per call. Writes packed_kernels[_tag].json and .png.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -32,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cp_softcap as cps                                              # noqa: E402
 from cp_softcap.doc_geometry import stream_calls                      # noqa: E402
+from cp_softcap.kernels.torch_kernel import TorchKernel               # noqa: E402
 from cp_softcap.selector import rejection                             # noqa: E402
 from cp_softcap.spec import make_spec                                 # noqa: E402
 from benchmarks._util import OUT_DIR_HELP, bar_plot, bench_ms, out_dir_for, report  # noqa: E402
@@ -41,6 +44,24 @@ from benchmarks.packing_balance import mix                            # noqa: E4
 MIXES = ("long-tail", "short")
 RAW = {"fa4-kernel": True, "fa4-kernel-nocap": False}     # FA4 alone: with --softcap or none
 NJT = ("cudnn-varlen", "flash-varlen")      # PyTorch's own varlen kernels (no cap), via SDPA
+FREE = "library-only"                       # the library's time around the calls, kernel excluded
+
+
+class FreeKernel(TorchKernel):
+    """Returns at once what a flash kernel returns (out and gradients in the input dtype, LSE
+    float32), values unset: timing through it leaves the library's own time (planning, the
+    calls' row and key slices, output and gradient buffers, casts)."""
+    name = "free"
+    caps = dataclasses.replace(TorchKernel.caps, grads_in_input_dtype=True,
+                               notes=("timing stand-in: no math",))
+
+    def forward(self, q, k, v, *, scale, softcap, window, segments=None):
+        b, s, h, _ = q.shape
+        return (torch.empty(b, s, h, v.shape[-1], dtype=q.dtype, device=q.device),
+                torch.empty(b, h, s, dtype=torch.float32, device=q.device))
+
+    def backward(self, dout, q, k, v, out, lse, *, scale, softcap, window, dlse=None, segments=None):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def visible_area(cu: List[int]) -> int:
@@ -134,10 +155,11 @@ def main(argv=None) -> int:
     p.add_argument("--total", type=int, default=131072, help="tokens in the packed stream")
     p.add_argument("--mixes", nargs="+", default=list(MIXES), choices=MIXES)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--kernels", nargs="+", default=["fa4", *RAW, *NJT, "fa2", "flex"],
+    p.add_argument("--kernels", nargs="+", default=["fa4", *RAW, *NJT, "fa2", "flex", FREE],
                    help=f"library backends; {' / '.join(RAW)}: FA4's varlen function alone, "
                         f"with the library's softcap or none; {' / '.join(NJT)}: PyTorch SDPA's "
-                        "varlen kernels on nested tensors (no cap)")
+                        f"varlen kernels on nested tensors (no cap); {FREE}: the library with a "
+                        "kernel that does no work (its own time per call)")
     p.add_argument("--softcap", type=float, default=50.0)
     p.add_argument("--rep-ms", type=int, default=150)
     p.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
@@ -148,7 +170,7 @@ def main(argv=None) -> int:
     a.out_dir = out_dir_for(a.out_dir, dry=dev == "cpu")
     models = dict(MODELS)
     if dev == "cpu":
-        a.total, a.kernels, a.rep_ms = 2048, ["torch"], 10
+        a.total, a.kernels, a.rep_ms, a.models = 2048, ["torch", FREE], 10, a.models[:1]
         models = {"9B": (4, 2, 32), "27B": (4, 4, 16)}
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     records, rows = [], [["model", "mix", "docs", "kernel", "mode", "ms", "TFLOP/s", "% cuDNN"]]
@@ -176,7 +198,8 @@ def main(argv=None) -> int:
                                      needs_backward=bwd, documents=True)
                     rec = dict(model=model, mix=kind, docs=len(cu) - 1, kernel=name, mode=mode,
                                total=a.total, area=area, softcap=a.softcap)
-                    reason = None if name in NJT else rejection("fa4" if name in RAW else name, spec)
+                    reason = (None if name in NJT or name == FREE else
+                              rejection("fa4" if name in RAW else name, spec))
                     if reason:
                         records.append({**rec, "skipped": reason})
                         rows.append([model, kind, len(cu) - 1, name, mode, "skip", reason[:40], ""])
@@ -189,12 +212,17 @@ def main(argv=None) -> int:
                             ref = cps.attention(q, k, v, causal=True, cu_seqlens=cu)[0, :cu[-1]]
                             rec["max_abs_vs_library_nocap"] = (call().float() - ref.float()).abs().max().item()
                         else:
-                            call = packed_call(name, q, k, v, cu, a.softcap, bwd)
+                            backend = FreeKernel() if name == FREE else name
+                            call = packed_call(backend, q, k, v, cu, a.softcap, bwd)
                         ms = bench_ms(call, rep_ms=a.rep_ms)
                     except Exception as e:          # report it, keep measuring the others
                         msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                         records.append({**rec, "error": msg})
                         rows.append([model, kind, len(cu) - 1, name, mode, "ERR", msg[:40], ""])
+                        continue
+                    if name == FREE:                # no math: its time is the figure
+                        records.append({**rec, "ms": ms})
+                        rows.append([model, kind, len(cu) - 1, name, mode, f"{ms:.2f}", "", ""])
                         continue
                     tf = factor * 4.0 * hq * d * area / ms / 1e9
                     records.append({**rec, "ms": ms, "tflops": tf, "pct_of_cudnn": 100 * tf / base[mode]})

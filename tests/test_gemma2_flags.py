@@ -277,8 +277,9 @@ def test_every_run_entry_sets_the_allocator_before_torch_is_imported():
             return {a.name.split(".")[0] for a in node.names}
         return {(node.module or "").split(".")[0]} if isinstance(node, ast.ImportFrom) else set()
 
-    for name in ("train.py", "speed.py", "memcheck.py"):
-        tree = ast.parse(open(os.path.join(ROOT, "examples", "gemma2", name)).read())
+    for name in ("examples/gemma2/train.py", "benchmarks/training/speed.py",
+                 "benchmarks/training/memcheck.py"):
+        tree = ast.parse(open(os.path.join(ROOT, name)).read())
         call = next(n.lineno for n in tree.body if isinstance(n, ast.Expr)
                     and ast.unparse(n) == "expandable_segments()")
         first_torch = min(n.lineno for n in tree.body if roots(n) & {"torch", "cp_softcap"})

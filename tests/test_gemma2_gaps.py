@@ -1,4 +1,4 @@
-"""examples/gemma2/gaps.py: the GPU's busy time and idle gaps from a Chrome trace (speed.py
+"""benchmarks/training/gaps.py: the GPU's busy time and idle gaps from a Chrome trace (speed.py
 --trace). Overlapping kernels count once; each gap names its neighbours and the host ops that
 were running when it began."""
 import gzip
@@ -6,8 +6,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from gemma2 import gaps  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.training import gaps  # noqa: E402
 
 
 def _k(name, ts, dur, cat="kernel"):

@@ -336,7 +336,7 @@ def test_liger_training_step_matches_pytorch():
 
 
 def test_speed_variants_leave_one_piece_out(monkeypatch):
-    from gemma2 import speed
+    from benchmarks.training import speed
     monkeypatch.setattr(fused, "liger_problem", lambda: None)
     v = dict(speed.variants("cuda"))
     assert list(v)[0] == "liger" and v["liger"] == fused.PIECES and v["torch"] == ()
@@ -350,19 +350,20 @@ def test_speed_variants_leave_one_piece_out(monkeypatch):
 
 
 def test_speed_script_runs_on_cpu(tmp_path):
-    """examples/gemma2/speed.py (the GPU phase's per-piece timing and profile) on a tiny model:
-    on CPU only the PyTorch variant runs; the JSON line and the profile table are written."""
+    """benchmarks/training/speed.py (the per-piece timing and profile) on a tiny model: on CPU
+    only the PyTorch variant runs; its record and the profile table are written."""
     import json
     import subprocess
     root = os.path.join(os.path.dirname(__file__), "..")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    res = subprocess.run([sys.executable, "examples/gemma2/speed.py", "--device", "cpu", "--seq-len", "64", "--batch-size", "1",
-                          "--no-progress", "--warm", "1", "--steps", "1", "--json", str(tmp_path / "s.jsonl"),
+    res = subprocess.run([sys.executable, "-m", "benchmarks.training.speed", "--device", "cpu", "--seq-len", "64",
+                          "--batch-size", "1", "--no-progress", "--warm", "1", "--steps", "1",
+                          "--out-dir", str(tmp_path),
                           "--profile-table", str(tmp_path / "t.txt"), "--top", "3",
                           "--trace", str(tmp_path / "trace.json.gz")],
                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
-    rec = json.loads((tmp_path / "s.jsonl").read_text())
+    (rec,) = json.loads((tmp_path / "speed.json").read_text())["records"]
     assert rec["variant"] == "torch" and rec["tokens_per_s"] > 0 and rec["mfu"] is None
     assert "aten::" in (tmp_path / "t.txt").read_text()
     # the Chrome trace is written; on CPU it has no GPU events to find gaps between

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from gemma2.loss import softcap_cross_entropy_sum  # noqa: E402
-from gemma2.measure import peak_bytes  # noqa: E402
+from benchmarks.training.measure import peak_bytes  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

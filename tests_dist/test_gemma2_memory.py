@@ -1,4 +1,4 @@
-"""examples/gemma2's memory plan against the measured peak (examples/gemma2/memcheck.py under
+"""examples/gemma2's memory plan against the measured peak (benchmarks/training/memcheck.py under
 torchrun, 2 gloo ranks, CPU: the second step's peak tensor memory from torch.profiler's
 allocation records): within 15 % for ring and a2a without AC, bf16 under FSDP2 with
 full AC (a wider model, so that activations dominate), and selective AC with a 32000-token
@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import gemma2_launch as L  # noqa: E402
 
-MEMCHECK = os.path.join(L.ROOT, "examples", "gemma2", "memcheck.py")
+MEMCHECK = os.path.join(L.ROOT, "benchmarks", "training", "memcheck.py")
 CASES = [["--ac", "none"], ["--ac", "none", "--comm", "a2a"],
          ["--ac", "full", "--dtype", "bfloat16", "--fsdp", "--set", "hidden_size=256",
           "--set", "intermediate_size=1024", "--batch-size", "1", "--seq-len", "4096"],
@@ -22,11 +22,11 @@ CASES = [["--ac", "none"], ["--ac", "none", "--comm", "a2a"],
 
 @pytest.mark.timeout(600)
 def test_plan_within_15_percent_of_measured_peak(tmp_path):
-    out = str(tmp_path / "m.jsonl")
-    for case in CASES:
+    for i, case in enumerate(CASES):
         L.run(2, MEMCHECK, ["--seq-len", "1024", "--batch-size", "4", "--no-progress", *case,
-                            "--json", out], 140, f"memcheck {' '.join(case)}")
-    rows = [json.loads(line) for line in open(out)]
+                            "--out-dir", str(tmp_path), "--tag", str(i)], 140,
+              f"memcheck {' '.join(case)}")
+    rows = [json.load(open(tmp_path / f"memcheck_{i}.json"))["records"][0] for i in range(len(CASES))]
     assert len(rows) == len(CASES)
     for row in rows:
         assert 0.85 <= row["estimate_over_measured"] <= 1.15, row

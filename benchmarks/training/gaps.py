@@ -1,6 +1,6 @@
 """Where the GPU waits: idle gaps between kernels in a torch.profiler Chrome trace.
 
-    python examples/gemma2/gaps.py TRACE.json[.gz] [--top 15] [--json out.json]
+    python -m benchmarks.training.gaps TRACE.json[.gz] [--top 15] [--json out.json]
 
 A step can be slower than the sum of its kernels when the GPU runs out of queued work: a
 host sync (`.item()`, a blocking copy), or host code slower than the kernels it launches.

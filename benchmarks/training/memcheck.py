@@ -2,12 +2,13 @@
 plan, with train.py's flags (plus --vocab / --set FIELD=INT to change the config, and
 --layers-ac to try a per-layer AC pattern such as full,none = every other layer).
 
-    torchrun --nproc-per-node 2 examples/gemma2/memcheck.py --config tiny --seq-len 1024 --ac full
-    python examples/gemma2/memcheck.py --loss-only      # chunked vs full-logits cross-entropy
-    python examples/gemma2/memcheck.py --ac-timing --set hidden_size=256 --set intermediate_size=1024
+    torchrun --nproc-per-node 2 -m benchmarks.training.memcheck --config tiny --seq-len 1024 --ac full
+    python -m benchmarks.training.memcheck --loss-only      # chunked vs full-logits cross-entropy
+    python -m benchmarks.training.memcheck --ac-timing --set hidden_size=256 --set intermediate_size=1024
 
 The step measured is the second one (AdamW's state exists from the first); on CPU the peak comes
-from torch.profiler's allocation records (measure.py), so it counts tensors only.
+from torch.profiler's allocation records (measure.py), so it counts tensors only. With --out-dir
+the result is written as memcheck[_TAG].json (benchmarks/_util.py's record format).
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import os
 import sys
 import time
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]      # the repository and its example
 
 from gemma2.allocator import expandable_segments  # noqa: E402
 
@@ -29,7 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from gemma2 import flags, memory, parallel, train  # noqa: E402
-from gemma2.measure import peak_bytes, tensor_bytes  # noqa: E402
+from benchmarks.training.measure import peak_bytes, tensor_bytes  # noqa: E402
 
 
 def _extra(argv):
@@ -41,7 +42,8 @@ def _extra(argv):
     p.add_argument("--loss-only", action="store_true")
     p.add_argument("--ac-timing", action="store_true", help="median step time of each AC choice")
     p.add_argument("--tokens", type=int, default=1024, help="--loss-only: tokens (hidden 256, vocab 256000)")
-    p.add_argument("--json", help="append the result as one JSON line here (rank 0)")
+    p.add_argument("--out-dir", help="write memcheck[_TAG].json here (rank 0)")
+    p.add_argument("--tag", default="", help="suffix of the output name")
     return p.parse_known_args(argv)
 
 
@@ -139,9 +141,11 @@ def main(argv=None) -> None:
         result = loss_peak(extra.tokens) if extra.loss_only else step_peak(argv)
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(result), flush=True)
-        if extra.json:
-            with open(extra.json, "a") as f:
-                f.write(json.dumps(result) + "\n")
+        if extra.out_dir:
+            from benchmarks._util import save
+            kind = "ac_timing" if extra.ac_timing else "loss_only" if extra.loss_only else "step_peak"
+            print("wrote", save("memcheck" + (f"_{extra.tag}" if extra.tag else ""), [result],
+                                dict(kind=kind, argv=argv), extra.out_dir), flush=True)
 
 
 if __name__ == "__main__":

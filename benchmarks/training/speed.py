@@ -1,7 +1,7 @@
 """Step time of train.py's training step with each Liger piece on and off, on one model, and a
 torch.profiler table of the top kernels: which fused kernels win, and where the time goes.
 
-    python examples/gemma2/speed.py --config 2b --seq-len 8192 --batch-size 1 --json out.jsonl
+    python -m benchmarks.training.speed --config 2b --seq-len 8192 --batch-size 1 --out-dir DIR
 
 Takes train.py's flags (--fused is ignored: every variant is tried). One model is built; for
 each variant (all four Liger pieces; each piece on PyTorch with the other three on Liger; all
@@ -11,7 +11,8 @@ the out-of-memory error of a variant that does not fit; the others still run). T
 two steps of the first variant that fits (what --fused auto picks) and prints the kernels with the
 most GPU time (--profile-table writes the table to a file; --trace the Chrome trace, and prints
 where the GPU waited between kernels, gaps.py). On CPU the Liger variants are skipped (Liger's
-kernels are GPU-only).
+kernels are GPU-only). Writes speed[_TAG].json (benchmarks/_util.py's record format) with
+--out-dir.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ import statistics
 import sys
 import time
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]      # the repository and its example
 
 from gemma2.allocator import expandable_segments  # noqa: E402
 
@@ -32,14 +33,18 @@ expandable_segments()           # before torch is imported (allocator.py says wh
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from gemma2 import flags, fused, gaps, metrics, parallel, train  # noqa: E402
+from benchmarks.training import gaps  # noqa: E402
+from gemma2 import flags, fused, metrics, parallel, train  # noqa: E402
 
 
 def _extra(argv):
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     p.add_argument("--warm", type=int, default=2, help="untimed steps per variant")
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant (median)")
-    p.add_argument("--json", help="append one JSON line per variant here")
+    p.add_argument("--variants", type=int, default=None, help="time only the first N variants")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiled steps")
+    p.add_argument("--out-dir", help="write speed[_TAG].json here (rank 0)")
+    p.add_argument("--tag", default="", help="suffix of the output name")
     p.add_argument("--profile-table", help="write the profiler's top-kernel table here")
     p.add_argument("--top", type=int, default=25, help="rows of the top-kernel table")
     p.add_argument("--trace", help="write the profiled steps' Chrome trace here (.json or .json.gz) "
@@ -74,7 +79,7 @@ def main(argv=None) -> None:
     tok = args.batch_size * args.seq_len / d.cp
     step = 0
     lines = []
-    for name, pieces in variants(d.device.type, args.compile):
+    for name, pieces in variants(d.device.type, args.compile)[:extra.variants]:
         fused.apply(model, pieces)
         times = []
         if cuda:
@@ -106,12 +111,16 @@ def main(argv=None) -> None:
                    "alloc_retries": metrics.alloc_retries(d.device), "loss": loss}
         lines.append(rec)
         print(json.dumps(rec), flush=True)
-    if extra.json and d.rank == 0:
-        with open(extra.json, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in lines)
+    if extra.out_dir and d.rank == 0:
+        from benchmarks._util import save
+        meta = dict(flags=" ".join(rest), warm=extra.warm, steps=extra.steps,
+                    peak_flops=metrics.PEAK_FLOPS if cuda else None,
+                    timing="median wall time of the timed steps (synchronized)")
+        print("wrote", save("speed" + (f"_{extra.tag}" if extra.tag else ""), lines, meta,
+                            extra.out_dir), flush=True)
     fit = [r for r in lines if "error" not in r]
-    if not fit:
-        print("no variant fits: no profile", flush=True)
+    if not fit or extra.no_profile:
+        print("no variant fits: no profile" if not fit else "no profile (--no-profile)", flush=True)
         dist.destroy_process_group()
         return
     prof_rec = fit[0]                                # the first that fits: --fused auto's pick
