@@ -374,6 +374,15 @@ def doc_ids(cu: Sequence[int], pos: torch.Tensor) -> torch.Tensor:
     return torch.where(pos.to(torch.int64) >= cu[-1], torch.full_like(ids, -1), ids)
 
 
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """Where packed documents start in rows of position_ids [R, S] (bool [R, S]): the first token
+    of a row and every token whose position does not grow by 1 from the one before (the
+    padding-free layout HF collators emit, positions restarting at each document)."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    return starts
+
+
 def doc_positions(cu: Sequence[int], pos: torch.Tensor) -> torch.Tensor:
     """Document-relative positions of global positions `pos`; 0 for padding."""
     ids = doc_ids(cu, pos)

@@ -61,7 +61,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..api import attention, cp_attention
-from ..documents import PackedLayout
+from ..documents import PackedLayout, document_starts
 from ..groups import check_member, resolve_groups
 from ..plan import boundary_values, weak
 from ..selector import check_backend
@@ -116,12 +116,17 @@ def _cp_size_rank(group, comm: str) -> Tuple[int, int]:
     return cp, rank
 
 
+def mask_is_empty(mask) -> bool:
+    """The one rule for attention masks: None, or a 2-D all-ones mask (a tokenizer's), masks
+    nothing and is accepted; any other mask (padding zeros, a dense 4-D mask) changes attention
+    in a way cp_softcap does not implement and is refused by the callers."""
+    return mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.bool().all()))
+
+
 def _check_mask(mask) -> None:
-    if mask is None:
+    if mask_is_empty(mask):
         return
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        if bool(mask.bool().all()):
-            return          # a tokenizer's all-ones mask: nothing to apply
         raise ValueError(
             f"attn_implementation='cp_softcap' got a 2-D attention_mask {tuple(mask.shape)} with padding "
             "(zeros); it cannot apply padding masks. Drop attention_mask: with causal attention, right "
@@ -191,8 +196,7 @@ def _boundaries(b: int, sq: int, sk: int, position_ids, kwargs):
     pos = position_ids.reshape(-1, position_ids.shape[-1])
     if pos.shape[-1] != sq:
         raise ValueError(f"position_ids {tuple(position_ids.shape)} do not match the query length {sq}")
-    starts = torch.ones_like(pos, dtype=torch.bool)
-    starts[:, 1:] = pos[:, 1:] - pos[:, :-1] != 1
+    starts = document_starts(pos)
     if not bool(starts[:, 1:].any()):
         return None, False             # no reset in any row: an ordinary batch
     starts = starts.expand(b, sq).reshape(-1)

@@ -56,9 +56,9 @@ if int(transformers.__version__.split(".")[0]) < 5:
                       f"num_items_in_batch and parallelism hooks); found {transformers.__version__}. "
                       "pip install -U 'transformers>=5' accelerate")
 
-from ..documents import packed_layout
+from ..documents import document_starts, packed_layout
 from ..sharding import positions, shard
-from .hf import cp_softcap_attention, hf_window, use_cp_group
+from .hf import cp_softcap_attention, hf_window, mask_is_empty, use_cp_group
 
 _TOKEN_KEYS = ("input_ids", "labels", "shift_labels")
 
@@ -175,7 +175,7 @@ def _documents(batch: dict, b: int, s: int):
         pos = torch.as_tensor(pos).reshape(-1, s)
         if bool((pos == torch.arange(s, device=pos.device)).all()):
             return None     # plain positions, recomputed per shard
-        starts = (pos[0, 1:] - pos[0, :-1] != 1).nonzero().flatten() + 1
+        starts = document_starts(pos[:1])[0, 1:].nonzero().flatten() + 1
         cu = [0] + starts.tolist() + [s]
     else:
         return None
@@ -196,8 +196,10 @@ def _documents(batch: dict, b: int, s: int):
 
 
 def _check_mask(mask) -> None:
-    if mask is None or bool(torch.as_tensor(mask).bool().all()):
-        return          # no mask, or a tokenizer's all-ones mask: nothing to apply
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        mask = torch.as_tensor(mask)
+    if mask_is_empty(mask):
+        return
     raise ValueError(
         f"the batch has an attention_mask {tuple(mask.shape)} with padding (zeros); context-parallel "
         "attention applies only causal and sliding-window masks. Right padding needs no mask: give the "
