@@ -1,8 +1,8 @@
 """Every CP_SOFTCAP_* environment variable, read and validated here and nowhere else.
 
 Each function reads its variable at call time (so a test or a launcher may set it late) and
-raises ValueError naming the variable, the value and what is valid. README.md lists them in
-one table; keep the two in step.
+raises ValueError naming the variable, the value and what is valid. docs/settings.md lists them
+in one table (tests/test_settings.py holds the two in step).
 
 A warm call does not come here: plan.py keys its caches on the raw strings of the variables
 read per call (PLANNING: what a plan depends on; PER_CALL: what each call reads) and asks the

@@ -200,7 +200,7 @@ def _timeout_message(op: str, group, limit: Optional[float], cause) -> str:
             "group must call the same attention layers in the same order with the same shapes and "
             "options. Raise CP_SOFTCAP_TIMEOUT (on NCCL: the process group's timeout) if the peers "
             "are just slow. After this error the "
-            "group is out of step: see README, 'Bad inputs and failure behaviour'.")
+            "group is out of step: build a new one (docs/failures.md, 'After a CP error').")
 
 
 class Exchange:

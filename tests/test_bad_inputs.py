@@ -1,7 +1,7 @@
 """The bad-input matrix (single process): every bad or edge input to cps.attention,
 cp_attention / CPAttention, the sharding helpers, the selector and its CLI ends in either a clear
 error (type, and a message naming the value and the fix) or a correct result checked against the
-float64 reference. The README's "Bad inputs and failure behaviour" table lists these rows; the CP
+float64 reference. docs/failures.md's "Bad inputs" table lists these rows; the CP
 rows that need a process group live in tests_dist/test_bad_inputs_dist.py. Every case is also run
 under python -O (no asserts guard user input)."""
 from __future__ import annotations

@@ -238,7 +238,7 @@ def test_stalled_peer_at_every_op_is_detected_within_timeout(comm):
 def _skip_batch_worker(rank, world, comm):
     """Rank 1 raises after the forward (a "skip this batch" handler catches it) and goes on to
     the next forward while rank 0 runs the backward. Both must fail with a clear error, in
-    bounded time, and a fresh group must then work (the README's recovery)."""
+    bounded time, and a fresh group must then work (the recovery docs/failures.md describes)."""
     import torch.distributed as dist
     import cp_softcap as cps
     group = _groups(comm)
