@@ -92,9 +92,9 @@ def test_plan_rows_move_the_right_way():
 
 
 def test_readme_plan_example_prints_what_readme_says(capsys):
-    """The README's 9b `--plan` command, run as written, refuses with the numbers README quotes
+    """The example README's 9b `--plan` command, run as written, refuses with the numbers it quotes
     (it names --device-mem-gib, so the result does not depend on this machine's memory)."""
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    readme = open(os.path.join(ROOT, "examples", "gemma2", "README.md")).read()
     cmd = next(line.strip("`") for line in readme.splitlines()
                if line.startswith("`python examples/gemma2/train.py --plan"))
     argv = cmd.split()[2:]

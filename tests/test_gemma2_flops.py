@@ -97,7 +97,7 @@ def test_attention_pairs_are_the_masks(n, window, cu):
 
 
 def test_gemma2_2b_at_8k():
-    """The numbers README quotes: 2b at 8K tokens."""
+    """The numbers examples/gemma2/README.md quotes: 2b at 8K tokens."""
     cfg = get_config("2b")
     with torch.device("meta"):
         n = Gemma2(cfg).num_params()

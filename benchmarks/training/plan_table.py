@@ -1,4 +1,4 @@
-"""README's memory-plan table: train.py --plan's peak per rank for Gemma2 2b/9b/27b at 8K to 1M
+"""The memory-plan table of examples/gemma2/README.md: train.py --plan's peak per rank for Gemma2 2b/9b/27b at 8K to 1M
 tokens on 8 and 64 GPUs (cp = all ranks, batch 1, bf16 autocast, ring, the PyTorch pieces:
 --fused torch, the same on every machine), with and without AC and FSDP2. Each cell is one
 `train.py --plan` run (in this process).

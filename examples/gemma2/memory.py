@@ -1,5 +1,5 @@
 """Per-rank memory plan, made before anything is built on a device: parameter counts come from the
-model built on the meta device, everything else from the flags. README ("Memory plan") explains
+model built on the meta device, everything else from the flags. examples/gemma2/README.md ("Memory plan") explains
 each row and shows how it compares with measured peaks.
 
 Bytes per token of one decoder layer's saved activations are counted tensor by tensor from what
