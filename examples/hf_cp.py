@@ -14,8 +14,9 @@ prints the worst relative error, and exits non-zero on a mismatch; a negative co
 that the comparison would fail without the attention softcap. CPU only (gloo); needs
 transformers (pip install -e ".[gemma2]"), no download.
 
-The block between `# [README:hf begin]` and `# [README:hf end]` is copied verbatim in
-README.md (tests/test_readme.py checks that they agree).
+The blocks between `# [README:... begin]` and `# [README:... end]` are copied verbatim in
+README.md (hf-step) and docs/hf.md (hf, which holds hf-step); tests/test_readme.py checks that
+they agree.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def tiny_gemma2(attn_implementation="cp_softcap"):
 def hf_train_step(model, tokens, mesh, pad_id=0):
     """Forward + backward of this rank's zigzag shard of `tokens` [B, S+1] (the SAME tokens on
     every CP rank of a dp group). Returns this rank's HF output (loss, logits shard)."""
+# [README:hf-step begin]
     cp_group, dp_group = mesh.get_group("cp"), mesh.get_group("dp")
     cp, r = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     use_cp_group(cp_group)                        # None = one device; comm="a2a", "auto", ... too
@@ -60,6 +62,7 @@ def hf_train_step(model, tokens, mesh, pad_id=0):
     # num_items_in_batch: loss = this rank's CE sum / n_valid
     out = model(input_ids=ids, position_ids=pos, labels=labels, shift_labels=labels,
                 num_items_in_batch=n_valid)
+# [README:hf-step end]
     out.loss.backward()
     for p in model.parameters():                  # SUM gradients over dp x cp
         dist.all_reduce(p.grad)

@@ -13,7 +13,7 @@ would fail if the softcap or the window were dropped. CPU only (gloo); on GPUs t
 run with init_device_mesh("cuda", ...) and NCCL.
 
 The blocks between `# [README:... begin]` and `# [README:... end]` are copied verbatim in
-README.md (tests/test_readme.py checks that they agree).
+README.md (cpattention) and docs/api.md (model); tests/test_readme.py checks that they agree.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import sys
 
 from _launch import cp_size, parse_dp_args, run_ranks   # examples/_launch.py: torchrun or spawned ranks
 
-# [README:cpattention begin]
+# [README:model begin]
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -61,11 +61,14 @@ class TinyLM(torch.nn.Module):
         k, v = self.wkv(x).unflatten(-1, (2, self.hkv, self.d)).unbind(2)    # [B, s, Hkv, D]
         out = self.attn(rope(q, pos), rope(k, pos), v)                       # [B, s, Hq, D]
         return self.wo(out.flatten(2))                                       # [B, s, vocab]
+# [README:model end]
 
 
+# [README:cpattention begin]
 def build(dp, cp):
     """After dist.init_process_group (torchrun does it): the (dp, cp) mesh and this rank's model."""
     mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))   # "cuda" (NCCL) on GPUs
+    # attn(q, k, v) takes this rank's shards [B, S/cp, H, D]: batch, sequence, heads, head dim
     attn = cps.CPAttention(mesh.get_group("cp"), softcap=SOFTCAP, causal=True, window=WINDOW, scale=SCALE)
     return mesh, TinyLM(attn)                              # cp: adjacent ranks (the mesh's last dim)
 

@@ -11,7 +11,7 @@ AT A TIME on one device (`cps.attention` per document, float64). It also checks 
 boundaries would be caught, and prints `-> OK` (exit code 0) or `-> MISMATCH` (exit code 1).
 
 The block between `# [README:packed begin]` and `# [README:packed end]` is copied verbatim in
-README.md (tests/test_readme.py checks that they agree).
+docs/packing.md (tests/test_readme.py checks that they agree).
 """
 from __future__ import annotations
 

@@ -1,21 +1,27 @@
-"""README's code is real: every Python block is a verbatim excerpt of an example program, and the
-examples, the selector CLI commands and the benchmarks' dry runs run as written in a fresh copy
-of the repository, which stays clean (nothing written into tracked or untracked paths)."""
+"""The documentation's code is real: every Python block of README is a verbatim excerpt of an
+example program that a test runs, every excerpt marked in those programs appears in README or a
+page of docs/, and the commands of README, docs/ and the example's README (the examples, the
+selector CLI, the example's --plan, the benchmarks' dry runs) run as written in a fresh copy of
+the repository, which stays clean (nothing written into tracked or untracked paths)."""
 import os
 import re
 import shutil
 import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+PAGES = [README, ROOT / "examples" / "gemma2" / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 EXAMPLES = ("examples/minimal_cp.py", "examples/hf_cp.py", "examples/packed_cp.py")
-DRY_RUNS = ("benchmarks/cp_multi.py", "benchmarks/cp_sim.py", "benchmarks/fa4_softcap.py",
-            "benchmarks/kernels.py")
+# programs with excerpts: the examples above (run here), and the Trainer and SFT examples, which
+# tests_dist/test_hf_trainer_dist.py and tests_dist/test_trl_sft_dist.py run under torchrun
+EXCERPTED = EXAMPLES + ("examples/gemma2/hf_trainer.py", "examples/gemma2/sft.py")
+DRY_RUNS = ("benchmarks/cp_multi.py", "benchmarks/cp_sim.py", "benchmarks/kernels.py")
 # bash blocks whose commands set up a venv or launch the Gemma2 job: CI runs the test command
 # itself (.ci/run) and tests_dist/test_gemma2_train.py runs the training script under torchrun
 COVERED_ELSEWHERE = ("python3 -m venv", "pip install", "torchrun", "launch/", "sbatch")
@@ -27,40 +33,54 @@ def fenced_blocks(text: str, lang: str):
     return [m.group(1) for m in re.finditer(rf"^```{lang}\n(.*?)^```$", text, re.S | re.M)]
 
 
+MARKER = re.compile(r"^# \[README:([\w-]+) (begin|end)\]\n", re.M)
+
+
 def excerpts(path: str) -> dict:
-    """{name: text} of the `# [README:name begin]` ... `# [README:name end]` blocks of a file."""
+    """{name: text} of the `# [README:name begin]` ... `# [README:name end]` blocks of a file
+    (the markers start a line; blocks may nest, and inner markers are not part of the text),
+    dedented: a block from inside a function reads as top-level code."""
     src = (ROOT / path).read_text()
-    found = dict(re.findall(r"^# \[README:([\w-]+) begin\]\n(.*?)^# \[README:\1 end\]\n", src, re.S | re.M))
+    found = {}
+    for m in MARKER.finditer(src):
+        if m.group(2) != "begin":
+            continue
+        end = src.find(f"# [README:{m.group(1)} end]\n", m.end())
+        assert end >= 0, f"{path}: excerpt {m.group(1)} has no end marker"
+        found[m.group(1)] = textwrap.dedent(MARKER.sub("", src[m.end():end]))
     assert found, f"{path} has no README excerpt markers"
     return found
 
 
-def readme_commands():
-    """The bash commands of README that run on a CPU machine in seconds."""
+def doc_commands():
+    """The bash commands of README, docs/ and the example's README that run on a CPU machine
+    in seconds."""
     cmds = []
-    for block in fenced_blocks(README.read_text(), "bash"):
-        for line in block.strip().splitlines():
-            if line.startswith(COVERED_ELSEWHERE):
-                continue
-            assert line.startswith(("python -m cp_softcap", "python examples/", "python benchmarks/")), (
-                f"README bash line {line!r} is neither run by tests/test_readme.py nor listed in its "
-                "COVERED_ELSEWHERE; run it here or say where it is tested")
-            cmds.append(line)
+    for page in PAGES:
+        for block in fenced_blocks(page.read_text(), "bash"):
+            for line in block.strip().splitlines():
+                if line.startswith(COVERED_ELSEWHERE):
+                    continue
+                assert line.startswith(("python -m cp_softcap", "python examples/", "python benchmarks/")), (
+                    f"{page.relative_to(ROOT)} bash line {line!r} is neither run by tests/test_readme.py "
+                    "nor listed in its COVERED_ELSEWHERE; run it here or say where it is tested")
+                cmds.append(line.split("  #")[0].strip())
     return cmds
 
 
 def test_python_blocks_are_excerpts_of_the_examples():
+    wanted = {f"{path}:{name}": text for path in EXCERPTED for name, text in excerpts(path).items()}
     blocks = fenced_blocks(README.read_text(), "python")
-    wanted = {f"{path}:{name}": text for path in EXAMPLES for name, text in excerpts(path).items()}
-    for key, text in wanted.items():
-        assert text in blocks, (f"README has no ```python block equal to the excerpt {key}; copy the "
-                                "lines between its markers verbatim")
     stray = [b.splitlines()[0] for b in blocks if b not in wanted.values()]
-    assert not stray, f"README python blocks that no example runs (first lines): {stray}"
+    assert not stray, f"README python blocks that no tested example holds (first lines): {stray}"
+    shown = [b for page in PAGES for b in fenced_blocks(page.read_text(), "python")]
+    for key, text in wanted.items():
+        assert text in shown, (f"no ```python block of README or docs/ equals the excerpt {key}; copy "
+                               "the lines between its markers verbatim (dedented)")
 
 
 def test_readme_names_commands_that_run():
-    cmds = readme_commands()
+    cmds = doc_commands()
     assert any(c.startswith("python -m cp_softcap") for c in cmds), cmds
     assert not any("..." in c for c in cmds), cmds
 
@@ -93,7 +113,7 @@ def test_examples_and_commands_run_in_a_fresh_copy_that_stays_clean(tmp_path):
     with socket.socket() as s:              # cp_multi's world of one needs a free port
         s.bind(("127.0.0.1", 0))
         env["MASTER_PORT"] = str(s.getsockname()[1])
-    cmds = readme_commands() + [f"python {e}" for e in EXAMPLES] + [f"python {b} --dry-run" for b in DRY_RUNS]
+    cmds = doc_commands() + [f"python {e}" for e in EXAMPLES] + [f"python {b} --dry-run" for b in DRY_RUNS]
     for cmd in dict.fromkeys(cmds):         # README also names the examples: run each once
         argv = cmd.split()
         argv[0] = sys.executable
@@ -106,11 +126,14 @@ def test_examples_and_commands_run_in_a_fresh_copy_that_stays_clean(tmp_path):
     assert status == "", f"the documented commands left the repository dirty:\n{status}"
 
 
-def test_comparison_table_is_complete():
-    """Every row of the "Compared with" table has a cell per system, and every footnote it cites
-    is defined (and every definition cited)."""
-    text = README.read_text()
-    section = text.split("## Compared with", 1)[1].split("\n## ", 1)[0]
+@pytest.mark.parametrize("page,heading", [("README.md", "## What no other library does"),
+                                          ("docs/comparison.md", "# Compared with")])
+def test_comparison_table_is_complete(page, heading):
+    """Every row of the comparison table (README's short one, docs/comparison.md's full one)
+    has a cell per system, and every footnote it cites is defined (and every definition
+    cited)."""
+    text = (ROOT / page).read_text()
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("|")]
     widths = {len(row.strip().strip("|").split(" | ")) for row in rows if not row.startswith("|---")}
     assert widths == {8}, f"rows of the comparison table have {widths} cells, want 8 (feature + 7 systems)"
@@ -118,3 +141,15 @@ def test_comparison_table_is_complete():
     defined = set(re.findall(r"^\[\^([\w-]+)\]:", section, re.M))
     assert cited == defined, f"cited but undefined: {cited - defined}; defined but unused: {defined - cited}"
     assert "not yet run" in section
+
+
+def test_readme_is_short_and_keeps_its_two_commands():
+    """README is read in minutes: at most 200 lines, and its test command is exactly CI's."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 200, f"README.md has {len(text.splitlines())} lines, the limit is 200"
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip().startswith("pytest ")]
+    assert len(ci) == 1, ci
+    assert any(line.endswith("&& " + ci[0]) for block in fenced_blocks(text, "bash")
+               for line in block.splitlines()), f"README's test command is not CI's {ci[0]!r}"
+    assert "examples/gemma2/train.py" in text

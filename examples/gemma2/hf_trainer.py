@@ -123,6 +123,7 @@ def main(argv=None) -> None:
     a = parse(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
+# [README:cptrainer begin]
         args = training_args(tmp, max_steps=a.steps)          # initialises torch.distributed
         mesh = cp_mesh(a.cp)
         packed = not a.unpacked
@@ -131,6 +132,7 @@ def main(argv=None) -> None:
                             data_collator=collator, train_dataset=text_rows(64, a.seq_len, packed=packed),
                             eval_dataset=text_rows(8, a.seq_len, seed=1, packed=packed))
         trainer.train()
+# [README:cptrainer end]
         metrics = trainer.evaluate()
     if args.process_index == 0:
         losses = [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h]

@@ -131,6 +131,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         packing = not a.no_packing
+# [README:cpsfttrainer begin]
         args = sft_config(tmp, max_steps=a.steps, packing=packing, padding_free=True)
         mesh = cp_mesh(a.cp)
         model, tokenizer = load(a.model_dir)
@@ -138,6 +139,7 @@ def main(argv=None) -> None:
                                cp_comm=a.comm, train_dataset=Dataset.from_list(chat_rows(96)),
                                eval_dataset=Dataset.from_list(chat_rows(8, seed=1)))
         trainer.train()
+# [README:cpsfttrainer end]
         metrics = trainer.evaluate()
     if args.process_index == 0:
         logs = [h for h in trainer.state.log_history if "loss" in h]
