@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .documents import PackedLayout, packed_layout, padded_len
-from .spec import check_zigzag_length
+from .spec import check_zigzag_length, fits_zigzag  # noqa: F401 (fits_zigzag: public here)
 
 
 def check_divisible(seq_len: int, cp: int, *, what: str = "sequence length", rank=None) -> None:

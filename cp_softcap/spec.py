@@ -45,11 +45,17 @@ def check_gqa(num_heads: int, num_kv_heads: int, at: str = "") -> None:
                          "GQA needs Hq % Hkv == 0")
 
 
+def fits_zigzag(seq_len: int, cp: int) -> bool:
+    """Whether the zigzag layout can split a global sequence of seq_len tokens over cp ranks:
+    2*cp equal, non-empty chunks (the one place this rule lives; callers word their own fix)."""
+    return seq_len > 0 and seq_len % (2 * cp) == 0
+
+
 def check_zigzag_length(seq_len: int, cp: int, *, what: str = "sequence length", where: str = "") -> None:
     """The zigzag layout splits a global sequence into 2*cp equal, non-empty chunks."""
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp must be a positive int, got {cp!r}")
-    if seq_len <= 0 or seq_len % (2 * cp) != 0:
+    if not fits_zigzag(seq_len, cp):
         at = f" on {where}" if where else ""
         raise ValueError(f"{what} {seq_len}{at} is not a positive multiple of 2*cp={2 * cp}; "
                          f"pad with cp_softcap.sharding.pad_to_multiple(x, {2 * cp}) "

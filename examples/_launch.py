@@ -13,14 +13,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cp_softcap.sharding import fits_zigzag
+
 
 def cp_size(world: int, dp: int, seq_len: int) -> int:
     """cp = world / dp, checked: dp divides the world and 2 * cp divides the sequence length."""
     if dp < 1 or world % dp:
         raise ValueError(f"--dp {dp} does not divide the number of ranks {world}")
     cp = world // dp
-    if seq_len % (2 * cp):
-        ok = [c for c in range(1, seq_len // 2 + 1) if seq_len % (2 * c) == 0]
+    if not fits_zigzag(seq_len, cp):
+        ok = [c for c in range(1, seq_len // 2 + 1) if fits_zigzag(seq_len, c)]
         raise ValueError(f"{world} ranks with --dp {dp} give cp {cp}, but this example's sequence "
                          f"length {seq_len} needs 2 * cp to divide it; use cp in {ok}")
     return cp

@@ -57,7 +57,7 @@ if int(transformers.__version__.split(".")[0]) < 5:
                       "pip install -U 'transformers>=5' accelerate")
 
 from ..documents import document_starts, packed_layout
-from ..sharding import positions, shard
+from ..sharding import fits_zigzag, positions, shard
 from .hf import cp_softcap_attention, hf_window, mask_is_empty, use_cp_group
 
 _TOKEN_KEYS = ("input_ids", "labels", "shift_labels")
@@ -115,7 +115,7 @@ def shard_batch(batch: dict, cp: int, rank: int, layer_windows: Optional[list] =
     b, s = ids.shape
     _check_mask(batch.pop("attention_mask", None))
     cu = _documents(batch, b, s)
-    if cu is None and b == 1 and s % (2 * cp):
+    if cu is None and b == 1 and not fits_zigzag(s, cp):
         # one sequence whose length zigzag cannot split (e.g. a flattened batch holding a single
         # document, whose positions are a plain range): the packed layout of one document takes
         # any length and is exact
@@ -149,7 +149,7 @@ def shard_batch(batch: dict, cp: int, rank: int, layer_windows: Optional[list] =
 
 
 def _check_length(s: int, cp: int, rank: int) -> None:
-    if s % (2 * cp):
+    if not fits_zigzag(s, cp):
         raise ValueError(
             f"sequence length {s} of this batch is not a multiple of 2 * cp = {2 * cp} (CP rank {rank}): "
             "the zigzag layout splits it into 2 * cp equal chunks. Pad every batch to a multiple of "

@@ -13,6 +13,8 @@ import os
 import shutil
 import sys
 
+from cp_softcap.sharding import fits_zigzag
+
 from .config import CONFIGS, from_hf_json, get_config
 from .data import ByteTokenizer, check_data
 from .fused import CHOICES, choose
@@ -137,7 +139,7 @@ def _problems(args, world: int, cfg):
     if args.cp and world % args.cp:
         yield (f"--cp {args.cp} must divide the world size {world} (dp = world / cp); "
                f"divisors: {', '.join(str(c) for c in range(1, world + 1) if world % c == 0)}")
-    if cp >= 1 and args.seq_len >= 1 and args.seq_len % (2 * cp):     # also when --cp is refused
+    if cp >= 1 and args.seq_len >= 1 and not fits_zigzag(args.seq_len, cp):   # also when --cp is refused
         good = (args.seq_len // (2 * cp) + 1) * 2 * cp
         yield (f"--seq-len {args.seq_len} must be a multiple of 2*cp = {2 * cp} (zigzag: 2 chunks per "
                f"CP rank); use --seq-len {good}, or a different --cp")
