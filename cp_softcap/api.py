@@ -125,9 +125,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: Opt
 
 def _run_one_device(q, k, v, plan: Plan):
     """(out, lse) of a one-device plan."""
-    if plan.comm == "packed":
+    if plan.path == "packed":
         return packed_attention(q, k, v, plan, plan.boundaries)
-    if plan.comm == "export":     # torch.onnx.export / torch.export: the torch kernel's math, plain ops
+    if plan.path == "export":     # torch.onnx.export / torch.export: the torch kernel's math, plain ops
         spec = plan.spec
         return export_attention(q, k, v, scale=spec.scale, softcap=spec.softcap, window=spec.window)
     return _LocalAttention.apply(q, k, v, plan)
@@ -203,8 +203,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, 
         _warn_if_several_ranks()
     plan = plan_for(q, k, v, group, softcap=softcap, causal=causal, window=window, scale=scale,
                     comm=comm, backend=backend, cu_seqlens=cu_seqlens)
-    if plan.comm in ALGORITHMS:
-        return ALGORITHMS[plan.comm].apply(q, k, v, plan)
+    if plan.path in ALGORITHMS:
+        return ALGORITHMS[plan.path].apply(q, k, v, plan)
     return _run_one_device(q, k, v, plan)[0]
 
 

@@ -133,12 +133,12 @@ def one_device_with_sinks(q, k, v, plan, sinks: torch.Tensor):
     """(out in q's dtype, lse) of a one-device plan (comm 'local', 'packed' or 'export') with
     attention sinks [Hq] (sinks.py); differentiable in q, k, v and sinks."""
     spec = plan.spec
-    if plan.comm == "export":       # plain ops: autograd differentiates the sink too
+    if plan.path == "export":       # plain ops: autograd differentiates the sink too
         out, lse = export_attention(q, k, v, scale=spec.scale, softcap=spec.softcap, window=spec.window)
         total = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
         weight = torch.exp(lse - total).transpose(1, 2).unsqueeze(-1)
         return (out.to(lse.dtype) * weight).to(q.dtype), total
-    if plan.comm == "packed":
+    if plan.path == "packed":
         calls = stream_calls(plan.boundaries, q.shape[1], spec.window)
     else:
         calls = (_Whole(0, q.shape[1], 0, k.shape[1], spec.window),)

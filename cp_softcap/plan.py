@@ -115,13 +115,14 @@ class Plan:
     kernel: Optional[Kernel]                # None only while a failed plan is being compared
     ring_block_keys: Optional[int]          # None only while an invalid setting is compared
     layout: Union[None, PackedLayout, str] = None       # packed documents; str: why they are invalid
-    # the algorithm after 'auto' (derived from the above); one device: 'local' (one kernel call),
+    # what the call runs (derived from the above): under CP the comm algorithm after 'auto'
+    # ('ring', 'all_gather', 'a2a', 'a2a+p2p'); on one device 'kernel' (one kernel call),
     # 'packed' (packed documents, packed_local.py) or 'export' (the exportable math, export.py)
-    comm: str = _local(default="local")
+    path: str = _local(default="kernel")
     rank: int = _local(default=0)           # CP rank: ring rank * a2a size + a2a rank for a2a+p2p
     zigzag: Optional[Zigzag] = _local(default=None)    # ring / all_gather / a2a+p2p's ring
     heads: Optional[Heads] = _local(default=None)      # a2a / a2a+p2p's all-to-all
-    boundaries: Optional[Tuple[int, ...]] = _local(default=None)   # comm='packed': validated cu
+    boundaries: Optional[Tuple[int, ...]] = _local(default=None)   # path 'packed': validated cu
     # decided once from the compared fields: the accumulation dtype of out/LSE and of gradient
     # sums (kernels.base.grad_dtype) and the dtype of the kernel's gradient partials (partial_dtype)
     grad_dtype: torch.dtype = _local(init=False)
@@ -221,7 +222,7 @@ def local_plan(spec: AttnSpec, backend: Backend = "auto") -> Plan:
 def local_plan_for(q, k, v, *, softcap, causal, window, scale, backend: Backend,
                    return_lse: bool = False, cu_seqlens=None, sinks=None) -> Plan:
     """The plan of a one-device call (cps.attention): every argument validated, and what the
-    call runs decided: comm='local' (one kernel call), 'packed' (plan.boundaries) or 'export'.
+    call runs decided: path 'kernel' (one kernel call), 'packed' (plan.boundaries) or 'export'.
     sinks: the call's sinks tensor or None (its values are checked on every call)."""
     key = _call_key(q, k, v, ("local", backend), (softcap, causal, window, scale, return_lse),
                     cu_seqlens, sinks)
@@ -232,7 +233,7 @@ def local_plan_for(q, k, v, *, softcap, causal, window, scale, backend: Backend,
         return hit[0]
     plan = _one_device(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
                        backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens, sinks=sinks)
-    if plan.comm != "export":
+    if plan.path != "export":
         _memo(_ONE_DEVICE, key, plan, ())
     return plan
 
@@ -241,7 +242,7 @@ def plan_for(q, k, v, group, *, softcap, causal, window, scale, comm: str, backe
              cu_seqlens=None, sinks=None) -> Plan:
     """The plan of cps.cp_attention on this rank's shards: the group resolved and every argument
     validated (see the module docstring for the cross-rank check). A group of one rank (or None)
-    gives a one-device plan (local_plan_for's, without the LSE); otherwise plan.comm names the
+    gives a one-device plan (local_plan_for's, without the LSE); otherwise plan.path names the
     algorithm. cu_seqlens: global document boundaries (or a PackedLayout), validated here;
     invalid ones fail on every rank, after the signature exchange. sinks: the call's sinks
     tensor or None; the ranks compare only its presence (AttnSpec.sinks), and its values are
@@ -274,7 +275,7 @@ def plan_for(q, k, v, group, *, softcap, causal, window, scale, comm: str, backe
         plan = _cp_plan(q, k, v, groups, cp, rank, softcap=softcap, causal=causal, window=window,
                         scale=scale, comm=comm, backend=backend, cu_seqlens=cu_seqlens,
                         sinks=sinks)
-    if plan.comm != "export":
+    if plan.path != "export":
         _memo(root, key, plan, groups)
     return plan
 
@@ -432,12 +433,12 @@ def _one_device(q, k, v, *, softcap, causal, window, scale, backend: Backend,
         if is_exporting():
             raise ValueError("cu_seqlens= (packed documents) cannot be exported; export the "
                              "model on unpacked inputs")
-        return dataclasses.replace(local_plan(spec, backend), comm="packed", boundaries=cu)
+        return dataclasses.replace(local_plan(spec, backend), path="packed", boundaries=cu)
     if is_exporting():     # torch.onnx.export / torch.export: the torch kernel's math, plain ops
         if backend not in ("auto", "torch"):
             raise ValueError(f"backend={backend!r} cannot be exported; export traces the 'torch' "
                              "kernel's math (cp_softcap.export): pass backend='auto' or 'torch'")
-        return Plan(spec, 0, 0, _backend_name(backend), None, None, comm="export")
+        return Plan(spec, 0, 0, _backend_name(backend), None, None, path="export")
     return local_plan(spec, backend)
 
 
@@ -610,7 +611,7 @@ def _finish(plan: Plan, groups: tuple, rank: int) -> Plan:
         blocks = ring_blocks(size, ring_len, plan.ring_block_keys) if comm != "all_gather" else ()
         zigzag = Zigzag(weakref.ref(group), size, dist.get_rank(group), ring_len // 2, spec.window, blocks,
                         layout, ring_members(cp, heads.size if heads else 1) if layout else ())
-    return dataclasses.replace(plan, comm=comm, rank=rank, zigzag=zigzag, heads=heads)
+    return dataclasses.replace(plan, path=comm, rank=rank, zigzag=zigzag, heads=heads)
 
 
 def _tuples(index) -> Tuple[Tuple[int, ...], ...]:

@@ -33,7 +33,7 @@ def test_local_plan_is_built_once_per_signature():
     first = planning.local_plan(spec, "torch")
     assert planning.local_plan(spec, "torch") is first
     assert planning.local_plan(_spec(window=(2, 0)), "torch") is not first
-    assert first.kernel.name == "torch" and first.comm == "local"
+    assert first.kernel.name == "torch" and first.path == "kernel"
 
 
 def test_kernel_instance_as_backend():
@@ -104,7 +104,7 @@ def test_plan_decides_the_accumulation_and_partial_dtypes():
         spec = cps.make_spec(head_dim=8, num_heads=4, num_kv_heads=2, dtype=dtype, device_type="cpu")
         plan = planning.Plan(spec, 1, 8, "auto", TorchKernel(), 32768)
         assert plan.grad_dtype == acc and plan.partial_dtype == TorchKernel().partial_dtype(dtype)
-        assert dataclasses.replace(plan, comm="ring").grad_dtype == acc
+        assert dataclasses.replace(plan, path="ring").grad_dtype == acc
     assert planning.Plan(spec, 1, 8, "fa2", None, None).partial_dtype is None
 
 

@@ -66,7 +66,7 @@ def _rows(plan) -> tuple:
 
 def _check_call(plan, call: Call) -> None:
     """The per-call check of the collective algorithms on gloo (see the module docstring)."""
-    if plan.comm == "ring":
+    if plan.path == "ring":
         return
     group = plan.heads.group if plan.heads is not None else plan.zigzag.group
     if not on_gloo(group, "cpu"):

@@ -98,6 +98,6 @@ def cp_attention_with_sinks(q, k, v, group, sinks, *, softcap, causal, window, s
     run by the comm type's sink function, or on one device for a group of one rank."""
     plan = plan_for(q, k, v, group, softcap=softcap, causal=causal, window=window, scale=scale,
                     comm=comm, backend=backend, cu_seqlens=cu_seqlens, sinks=sinks)
-    if plan.comm in SINK_ALGORITHMS:
-        return SINK_ALGORITHMS[plan.comm].apply(q, k, v, plan, sinks)
+    if plan.path in SINK_ALGORITHMS:
+        return SINK_ALGORITHMS[plan.path].apply(q, k, v, plan, sinks)
     return one_device_with_sinks(q, k, v, plan, sinks)[0]
