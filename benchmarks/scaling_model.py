@@ -156,10 +156,10 @@ def _nearest(table_: Dict[int, float], s: int) -> float:
 
 def rank_area(s: int, cp: int, rank: int, window, block_keys: int) -> List[int]:
     """Areas of every kernel call of one zigzag ring rank (self calls, then each block's)."""
-    zz = geo.RingView(cp, rank, s // (2 * cp), window)
-    out = [call_area(c) for c in geo.self_calls(zz)]
+    seq = geo.RingView(cp, rank, s // (2 * cp), window)
+    out = [call_area(c) for c in geo.self_calls(seq)]
     for steps in ring_blocks(cp, s // cp, block_keys):
-        out += [call_area(c) for c in geo.block(zz, steps)[1]]
+        out += [call_area(c) for c in geo.block(seq, steps)[1]]
     return out
 
 
@@ -223,31 +223,31 @@ def two_streams(ops: List[tuple]) -> tuple:
 
 # ------------------------------------------------------------------------------ the comm types
 
-def ring_rank_ms(zz, s, kt: KernelTimes, links: Links, model, windowed, kv_e, kv_p, kv_g, members,
+def ring_rank_ms(seq, s, kt: KernelTimes, links: Links, model, windowed, kv_e, kv_p, kv_g, members,
                  heads_frac: float = 1.0):
-    """fwd and bwd (end, compute) of ring member zz.rank, as ring.py issues its work.
+    """fwd and bwd (end, compute) of ring member seq.rank, as ring.py issues its work.
     members[m] = the global rank of ring member m (for where its messages go); heads_frac = the
     share of the query heads this ring computes (a2a+p2p's outer ring)."""
-    me = zz.rank
-    n_loc = sum(b - a for a, b in _own(zz))
+    me = seq.rank
+    n_loc = sum(b - a for a, b in _own(seq))
     fwd = lambda calls: heads_frac * kt.ms([call_area(c) for c in calls], model, windowed, "fwd", s, n_loc)  # noqa: E731
     bwd = lambda calls: (heads_frac * kt.ms([call_area(c) for c in calls], model, windowed, "fwd+bwd", s, n_loc)  # noqa: E731
                          - fwd(calls))
-    blocks = ring_blocks(zz.size, sum(b - a for a, b in _own(zz)), BLOCK_KEYS) if zz.size > 1 else ()
+    blocks = ring_blocks(seq.size, sum(b - a for a, b in _own(seq)), BLOCK_KEYS) if seq.size > 1 else ()
     kv_msgs, dkv_msgs, block_calls = [], [], []
     for steps in blocks:
-        slots, calls = geo.block(zz, steps)
+        slots, calls = geo.block(seq, steps)
         peer: Dict[int, int] = {}
         for st in steps:                                     # what we send ...
-            dst = (me + st) % zz.size
-            n = sum(b - a for a, b in geo.send_ranges(zz, dst))
+            dst = (me + st) % seq.size
+            n = sum(b - a for a, b in geo.send_ranges(seq, dst))
             peer[members[dst]] = peer.get(members[dst], 0) + n * kv_e
         recv = {members[sl.src]: sl.size * kv_e for sl in slots}    # ... and receive, at once
         kv_msgs.append(max(links.p2p_ms(members[me], peer), links.p2p_ms(members[me], recv)))
-        per_key = kv_p if geo.exclusive(zz, me, steps) else kv_g
+        per_key = kv_p if geo.exclusive(seq, me, steps) else kv_g
         dkv_msgs.append(links.p2p_ms(members[me], {members[sl.src]: sl.size * per_key for sl in slots}))
         block_calls.append(calls)
-    self_calls = geo.self_calls(zz)
+    self_calls = geo.self_calls(seq)
     f = [("kv0", "comm", kv_msgs[0], ())] if blocks else []
     f.append(("self", "compute", fwd(self_calls), ()))
     for i, calls in enumerate(block_calls):
@@ -266,8 +266,8 @@ def ring_rank_ms(zz, s, kt: KernelTimes, links: Links, model, windowed, kv_e, kv
     return two_streams(f), two_streams(b)
 
 
-def _own(zz):
-    return ((0, 2 * zz.chunk),) if zz.documents is None else ((0, zz.documents.local_len),)
+def _own(seq):
+    return ((0, 2 * seq.chunk),) if seq.documents is None else ((0, seq.documents.local_len),)
 
 
 def predict(model: str, n: int, s: int, layout: str, kt: KernelTimes, links: Links, mix_cu=None) -> List[Dict]:
@@ -293,8 +293,8 @@ def predict(model: str, n: int, s: int, layout: str, kt: KernelTimes, links: Lin
     worst = None
     ring = geo.ring_members(n) if docs is not None else ()
     for r in range(n):
-        zz = geo.RingView(n, r, s // (2 * n), window, docs, ring)
-        (fe, fc), (be, bc) = ring_rank_ms(zz, s, kt, links, model, windowed, kv * e, kv * p, kv * g, list(range(n)))
+        seq = geo.RingView(n, r, s // (2 * n), window, docs, ring)
+        (fe, fc), (be, bc) = ring_rank_ms(seq, s, kt, links, model, windowed, kv * e, kv * p, kv * g, list(range(n)))
         if worst is None or fe + be > worst[0]:
             worst = (fe + be, fc + bc, r)
     out.append(dict(base, comm="ring", ms=worst[0], compute_ms=worst[1], busiest_rank=worst[2],
@@ -339,8 +339,8 @@ def predict(model: str, n: int, s: int, layout: str, kt: KernelTimes, links: Lin
         ring_o = geo.ring_members(n, a) if docs is not None else ()
         worst = None
         for o in range(outer):
-            zz = geo.RingView(outer, o, a * (s // n) // 2, window, docs, ring_o)
-            (fe, fc), (be, bc) = ring_rank_ms(zz, s, kt, links, model, windowed, kv_o * e, kv_o * p, kv_o * g,
+            seq = geo.RingView(outer, o, a * (s // n) // 2, window, docs, ring_o)
+            (fe, fc), (be, bc) = ring_rank_ms(seq, s, kt, links, model, windowed, kv_o * e, kv_o * p, kv_o * g,
                                               [m * a for m in range(outer)], heads_frac=scale)
             if worst is None or fe + be > worst[0]:
                 worst = (fe + be, fc + bc)

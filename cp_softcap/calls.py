@@ -108,12 +108,12 @@ def backward_into(kernel, dout, q, k, v, out, lse, dlse, calls, scale, softcap, 
 
 # ------------------------------------------------------------------------------ ring geometry
 #
-# zz is a plan.Zigzag or a RingView: size ring members, this rank is member zz.rank;
-# zz.documents is None (zigzag chunks of zz.chunk tokens) or the PackedLayout, whose ring
-# members are zz.ring (CP ranks, or a2a groups as tuples of CP ranks for a2a+p2p).
+# seq is a plan.SeqShards or a RingView: size ring members, this rank is member seq.rank;
+# seq.documents is None (zigzag chunks of seq.chunk tokens) or the PackedLayout, whose ring
+# members are seq.ring (CP ranks, or a2a groups as tuples of CP ranks for a2a+p2p).
 
 class RingView(NamedTuple):
-    """The geometry fields of plan.Zigzag, for the byte model (no process group)."""
+    """The geometry fields of plan.SeqShards, for the byte model (no process group)."""
     size: int
     rank: int
     chunk: int
@@ -130,34 +130,34 @@ def ring_members(cp: int, a2a_size: int = 1) -> tuple:
     return tuple(tuple(range(o * a2a_size, (o + 1) * a2a_size)) for o in range(cp // a2a_size))
 
 
-def self_calls(zz):
+def self_calls(seq):
     """Calls of this member's queries against its own keys."""
-    if zz.documents is None:
-        return zz_layout.plan_step(zz.size, zz.rank, zz.rank, zz.chunk, zz.window)
-    me = zz.ring[zz.rank]
-    return dg.step_calls(zz.documents, me, me, zz.window)
+    if seq.documents is None:
+        return zz_layout.plan_step(seq.size, seq.rank, seq.rank, seq.chunk, seq.window)
+    me = seq.ring[seq.rank]
+    return dg.step_calls(seq.documents, me, me, seq.window)
 
 
-def send_ranges(zz, dst: int) -> Ranges:
+def send_ranges(seq, dst: int) -> Ranges:
     """This member's local key ranges that member dst's queries see (what travels to dst)."""
-    if zz.documents is None:
-        kr = zz_layout.key_range(zz.size, dst, zz.rank, zz.chunk, zz.window)
+    if seq.documents is None:
+        kr = zz_layout.key_range(seq.size, dst, seq.rank, seq.chunk, seq.window)
         return () if kr is None else (kr,)
-    return dg.send_ranges(zz.documents, zz.ring[dst], zz.ring[zz.rank], zz.window)
+    return dg.send_ranges(seq.documents, seq.ring[dst], seq.ring[seq.rank], seq.window)
 
 
-def block(zz, steps) -> Tuple[Tuple[Slot, ...], tuple]:
+def block(seq, steps) -> Tuple[Tuple[Slot, ...], tuple]:
     """(slots, calls) of this member's ring block `steps`; calls index the block buffers."""
-    if zz.documents is None:
-        return _zigzag_block(zz.size, zz.rank, zz.chunk, zz.window, steps)
-    return _packed_block(zz.documents, zz.ring, zz.rank, zz.window, steps)
+    if seq.documents is None:
+        return _zigzag_block(seq.size, seq.rank, seq.chunk, seq.window, steps)
+    return _packed_block(seq.documents, seq.ring, seq.rank, seq.window, steps)
 
 
-def exclusive(zz, member: int, steps) -> bool:
+def exclusive(seq, member: int, steps) -> bool:
     """Whether member's block `steps` reads each buffer key in one call (layout.block_exclusive)."""
-    if zz.documents is None:
-        return zz_layout.block_exclusive(zz.size, member, zz.chunk, zz.window, steps)
-    return dg.block_exclusive(zz.documents, zz.ring[member], zz.window, steps, zz.ring)
+    if seq.documents is None:
+        return zz_layout.block_exclusive(seq.size, member, seq.chunk, seq.window, steps)
+    return dg.block_exclusive(seq.documents, seq.ring[member], seq.window, steps, seq.ring)
 
 
 @lru_cache(maxsize=4096)

@@ -95,12 +95,12 @@ def _ring(cp: int, chunk: int, window: Window, kv_e: int, kv_g: int, kv_p: int,
     blocks = ring_blocks(cp, 2 * chunk, block_keys)
     out = []
     for r in range(cp):
-        zz = geo.RingView(cp, r, chunk, window, documents, ring)
-        send = sum(_keys(geo.send_ranges(zz, q)) for q in range(cp) if q != r)
+        seq = geo.RingView(cp, r, chunk, window, documents, ring)
+        send = sum(_keys(geo.send_ranges(seq, q)) for q in range(cp) if q != r)
         dkv = 0
         for steps in blocks:
-            slots, _ = geo.block(zz, steps)
-            per_key = kv_p if geo.exclusive(zz, r, steps) else kv_g
+            slots, _ = geo.block(seq, steps)
+            per_key = kv_p if geo.exclusive(seq, r, steps) else kv_g
             dkv += sum(s.size for s in slots) * per_key
         ops = {"ring.fwd.kv": send * kv_e, "ring.bwd.kv": send * kv_e, "ring.bwd.dkv": dkv}
         out.append({k: v for k, v in ops.items() if v})

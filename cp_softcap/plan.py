@@ -73,9 +73,10 @@ class _GroupRef:
 
 
 @dataclass(frozen=True)
-class Zigzag(_GroupRef):
-    """This rank's place in a zigzag-sharded ring or all-gather: `size` ranks of `group`, each
-    holding 2 chunks of `chunk` tokens; `blocks` groups the ring's steps (layout.ring_blocks)."""
+class SeqShards(_GroupRef):
+    """This rank's sequence shard in a ring or all-gather over `size` ranks of `group`: two
+    zigzag chunks of `chunk` tokens, or its part of the packed layout `documents`; `blocks`
+    groups the ring's steps (layout.ring_blocks)."""
     group_ref: weakref.ref          # see _GroupRef: a cached plan must not keep its group alive
     size: int
     rank: int
@@ -120,7 +121,7 @@ class Plan:
     # 'packed' (packed documents, packed_local.py) or 'export' (the exportable math, export.py)
     path: str = _local(default="kernel")
     rank: int = _local(default=0)           # CP rank: ring rank * a2a size + a2a rank for a2a+p2p
-    zigzag: Optional[Zigzag] = _local(default=None)    # ring / all_gather / a2a+p2p's ring
+    seq: Optional[SeqShards] = _local(default=None)    # ring / all_gather / a2a+p2p's ring
     heads: Optional[Heads] = _local(default=None)      # a2a / a2a+p2p's all-to-all
     boundaries: Optional[Tuple[int, ...]] = _local(default=None)   # path 'packed': validated cu
     # decided once from the compared fields: the accumulation dtype of out/LSE and of gradient
@@ -598,7 +599,7 @@ def _finish(plan: Plan, groups: tuple, rank: int) -> Plan:
         comm = choose_comm(spec, plan.local_len * cp, plan.batch, block_keys=plan.ring_block_keys,
                            partial_bytes=plan.partial_dtype.itemsize,
                            documents=layout)
-    zigzag = heads = None
+    seq = heads = None
     if comm in ("a2a", "a2a+p2p"):
         group = groups[0]
         size = dist.get_world_size(group)
@@ -609,9 +610,9 @@ def _finish(plan: Plan, groups: tuple, rank: int) -> Plan:
         group = groups[-1]
         size, ring_len = dist.get_world_size(group), plan.local_len * (heads.size if heads else 1)
         blocks = ring_blocks(size, ring_len, plan.ring_block_keys) if comm != "all_gather" else ()
-        zigzag = Zigzag(weakref.ref(group), size, dist.get_rank(group), ring_len // 2, spec.window, blocks,
+        seq = SeqShards(weakref.ref(group), size, dist.get_rank(group), ring_len // 2, spec.window, blocks,
                         layout, ring_members(cp, heads.size if heads else 1) if layout else ())
-    return dataclasses.replace(plan, path=comm, rank=rank, zigzag=zigzag, heads=heads)
+    return dataclasses.replace(plan, path=comm, rank=rank, seq=seq, heads=heads)
 
 
 def _tuples(index) -> Tuple[Tuple[int, ...], ...]:

@@ -91,16 +91,16 @@ def a2a_forward(ctx, q, k, v, plan, attend, sinks=None):
     """Re-shard by heads, attend(qh, kh, vh, plan) -> (out, lse), re-shard back. sinks [Hq]
     (cp/sinks.py): this rank's query heads' sinks join the rows' final (out, lse) here, once."""
     heads = plan.heads
-    zz = heads.zigzag_order
-    qh = seq_to_heads(q, heads.group, heads.q_index, "a2a.fwd.q", zz)
-    kh = seq_to_heads(k, heads.group, heads.kv_index, "a2a.fwd.k", zz)
-    vh = seq_to_heads(v, heads.group, heads.kv_index, "a2a.fwd.v", zz)
+    seq = heads.zigzag_order
+    qh = seq_to_heads(q, heads.group, heads.q_index, "a2a.fwd.q", seq)
+    kh = seq_to_heads(k, heads.group, heads.kv_index, "a2a.fwd.k", seq)
+    vh = seq_to_heads(v, heads.group, heads.kv_index, "a2a.fwd.v", seq)
     out, lse = attend(qh, kh, vh, plan)
     if sinks is not None:
         out, lse = apply_sinks(out, lse, _my_sinks(sinks, heads), plan.grad_dtype)
     ctx.save_for_backward(qh, kh, vh, out, lse, *(() if sinks is None else (sinks,)))
     ctx.plan = plan
-    return heads_to_seq(out.to(q.dtype), heads.group, "a2a.fwd.out", zz)
+    return heads_to_seq(out.to(q.dtype), heads.group, "a2a.fwd.out", seq)
 
 
 def _my_sinks(sinks: torch.Tensor, heads) -> torch.Tensor:
@@ -117,18 +117,18 @@ def a2a_backward(ctx, dout, attend_backward):
     qh, kh, vh, out, lse = saved[:5]
     plan = ctx.plan
     heads, spec = plan.heads, plan.spec
-    zz = heads.zigzag_order
-    douth = seq_to_heads(dout, heads.group, heads.q_index, "a2a.bwd.dout", zz)
+    seq = heads.zigzag_order
+    douth = seq_to_heads(dout, heads.group, heads.q_index, "a2a.bwd.dout", seq)
     if len(saved) == 6:                 # sinks: the same message on every rank of the group
         sinks = saved[5]
         rows = sink_rows(douth, out, lse, _my_sinks(sinks, heads))        # [B, h, S_group]
         rows = heads_to_seq_sum(rows.transpose(1, 2).unsqueeze(-1).contiguous(), heads.group,
-                                heads.q_index, spec.num_heads, "a2a.bwd.dsinks", zz)
+                                heads.q_index, spec.num_heads, "a2a.bwd.dsinks", seq)
         ctx.dsinks = sink_grad(rows.squeeze(-1).transpose(1, 2), sinks)
     dq, dk, dv = attend_backward(douth, qh, kh, vh, out, lse, plan)
-    dq = heads_to_seq_sum(dq, heads.group, heads.q_index, spec.num_heads, "a2a.bwd.dq", zz)
-    dk = heads_to_seq_sum(dk, heads.group, heads.kv_index, spec.num_kv_heads, "a2a.bwd.dk", zz)
-    dv = heads_to_seq_sum(dv, heads.group, heads.kv_index, spec.num_kv_heads, "a2a.bwd.dv", zz)
+    dq = heads_to_seq_sum(dq, heads.group, heads.q_index, spec.num_heads, "a2a.bwd.dq", seq)
+    dk = heads_to_seq_sum(dk, heads.group, heads.kv_index, spec.num_kv_heads, "a2a.bwd.dk", seq)
+    dv = heads_to_seq_sum(dv, heads.group, heads.kv_index, spec.num_kv_heads, "a2a.bwd.dv", seq)
     return dq.to(spec.dtype), dk.to(spec.dtype), dv.to(spec.dtype), None
 
 

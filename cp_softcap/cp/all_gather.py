@@ -9,7 +9,7 @@ lies in one half uses a view of that half; only a range that straddles both is c
 Backward re-gathers K/V (no S-sized buffers kept between passes), accumulates dK/dV in float32
 in global order and reduce-scatters them in float32 to their zigzag owners.
 
-Packed documents (plan.zigzag.documents): one gather of the whole shards, put in global order
+Packed documents (plan.seq.documents): one gather of the whole shards, put in global order
 (layout.stream_index), and doc_geometry.gathered_calls: for each of this rank's runs, its
 documents in one varlen call whose keys of each document end at the run's last query of it.
 Every row lies in at most one call (no merge); padding rows in none (out 0, LSE -inf). dK/dV
@@ -80,13 +80,13 @@ def _chunk_calls(cp: int, rank: int, chunk: int, window):
 def all_gather_forward(q, k, v, plan):
     """-> (out, lse) of this rank's query shards, in the kernel's dtypes (every row is in one
     kernel call: nothing is merged)."""
-    zz, spec = plan.zigzag, plan.spec
-    if zz.documents is not None:
+    seq, spec = plan.seq, plan.spec
+    if seq.documents is not None:
         return _packed_forward(q, k, v, plan)
-    kv = _Gathered(k, v, zz.group, zz.size, "all_gather.fwd.kv")
+    kv = _Gathered(k, v, seq.group, seq.size, "all_gather.fwd.kv")
 
     def parts():
-        for row, call in _chunk_calls(zz.size, zz.rank, zz.chunk, zz.window):
+        for row, call in _chunk_calls(seq.size, seq.rank, seq.chunk, seq.window):
             if call is not None:
                 q0, q1, k0, k1, w = call
                 ks, vs = kv.keys(k0, k1)
@@ -98,18 +98,18 @@ def all_gather_forward(q, k, v, plan):
 
 def all_gather_backward(dout, q, k, v, out, lse, plan):
     """-> (dq, dk, dv) of this rank's shards; out/lse: what all_gather_forward returned."""
-    zz, spec, kernel = plan.zigzag, plan.spec, plan.kernel
-    if zz.documents is not None:
+    seq, spec, kernel = plan.seq, plan.spec, plan.kernel
+    if seq.documents is not None:
         return _packed_backward(dout, q, k, v, out, lse, plan)
-    kv = _Gathered(k, v, zz.group, zz.size, "all_gather.bwd.kv")
+    kv = _Gathered(k, v, seq.group, seq.size, "all_gather.bwd.kv")
     # once per backward, not per call (e.g. fa4 casts a float32 O and corrects D here)
     dout, out, dlse = kernel.prepare_backward(dout, out, None, q.dtype)
     gdt = plan.grad_dtype
-    total = 2 * zz.size * zz.chunk
+    total = 2 * seq.size * seq.chunk
     dq = GradAccumulator(q.shape, kernel.partial_dtype(q.dtype), q.device)   # rows disjoint
     dk_full = GradAccumulator((k.shape[0], total) + tuple(k.shape[2:]), gdt, q.device)
     dv_full = GradAccumulator((v.shape[0], total) + tuple(v.shape[2:]), gdt, q.device)
-    for row, call in _chunk_calls(zz.size, zz.rank, zz.chunk, zz.window):
+    for row, call in _chunk_calls(seq.size, seq.rank, seq.chunk, seq.window):
         if call is None:
             continue
         q0, q1, k0, k1, w = call
@@ -123,8 +123,8 @@ def all_gather_backward(dout, q, k, v, out, lse, plan):
         dv_full.add(k0, k1, gv)
     # reorder global dK/dV into per-owner zigzag slots and reduce-scatter in float32
     dk_full, dv_full = dk_full.result(), dv_full.result()
-    slots = torch.stack([pack(*_owner_shard(dk_full, dv_full, zz.size, r)) for r in range(zz.size)])
-    mine = reduce_scatter(slots, zz.group, "all_gather.bwd.dkv")
+    slots = torch.stack([pack(*_owner_shard(dk_full, dv_full, seq.size, r)) for r in range(seq.size)])
+    mine = reduce_scatter(slots, seq.group, "all_gather.bwd.dkv")
     dk, dv = unpack(mine, k.shape, v.shape)
     return dq.result().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -138,34 +138,34 @@ def _owner_shard(dk_full, dv_full, cp, r):
     return (torch.cat([chunks_k[a], chunks_k[b]], dim=1), torch.cat([chunks_v[a], chunks_v[b]], dim=1))
 
 
-def _gather_global(k, v, zz, op):
+def _gather_global(k, v, seq, op):
     """Every rank's whole K/V shard, in global order (packed layout)."""
-    buf, _ = all_gather(pack(k, v), zz.group, op)
-    parts = [unpack(buf[r], k.shape, v.shape) for r in range(zz.size)]
-    _, inv = stream_order(zz.documents, k.device)
+    buf, _ = all_gather(pack(k, v), seq.group, op)
+    parts = [unpack(buf[r], k.shape, v.shape) for r in range(seq.size)]
+    _, inv = stream_order(seq.documents, k.device)
     return (torch.cat([p[0] for p in parts], dim=1).index_select(1, inv),
             torch.cat([p[1] for p in parts], dim=1).index_select(1, inv))
 
 
 def _packed_forward(q, k, v, plan):
-    zz, spec = plan.zigzag, plan.spec
-    kg, vg = _gather_global(k, v, zz, "all_gather.fwd.kv")
-    calls = gathered_calls(zz.documents, zz.rank, zz.window)
+    seq, spec = plan.seq, plan.spec
+    kg, vg = _gather_global(k, v, seq, "all_gather.fwd.kv")
+    calls = gathered_calls(seq.documents, seq.rank, seq.window)
     # every row in at most one call: out in the kernel's dtype, nothing to merge
     return disjoint_rows(plan.kernel, q, kg, vg, calls, spec.scale, spec.softcap, v.shape[-1])
 
 
 def _packed_backward(dout, q, k, v, out, lse, plan):
-    zz, spec, kernel = plan.zigzag, plan.spec, plan.kernel
-    kg, vg = _gather_global(k, v, zz, "all_gather.bwd.kv")
+    seq, spec, kernel = plan.seq, plan.spec, plan.kernel
+    kg, vg = _gather_global(k, v, seq, "all_gather.bwd.kv")
     dout, out, dlse = kernel.prepare_backward(dout, out, None, q.dtype)
     gdt = plan.grad_dtype
     dq = GradAccumulator(q.shape, kernel.partial_dtype(q.dtype), q.device)   # rows disjoint
     dk, dv = (GradAccumulator(t.shape, gdt, q.device) for t in (kg, vg))
-    calls = gathered_calls(zz.documents, zz.rank, zz.window)
+    calls = gathered_calls(seq.documents, seq.rank, seq.window)
     backward_into(kernel, dout, q, kg, vg, out, lse, dlse, calls, spec.scale, spec.softcap, dq, dk, dv)
-    idx, _ = stream_order(zz.documents, q.device)      # global order -> shards back to back
+    idx, _ = stream_order(seq.documents, q.device)      # global order -> shards back to back
     dk, dv = (g.result().index_select(1, idx) for g in (dk, dv))
-    slots = torch.stack([pack(a, b) for a, b in zip(dk.chunk(zz.size, dim=1), dv.chunk(zz.size, dim=1))])
-    dk, dv = unpack(reduce_scatter(slots, zz.group, "all_gather.bwd.dkv"), k.shape, v.shape)
+    slots = torch.stack([pack(a, b) for a, b in zip(dk.chunk(seq.size, dim=1), dv.chunk(seq.size, dim=1))])
+    dk, dv = unpack(reduce_scatter(slots, seq.group, "all_gather.bwd.dkv"), k.shape, v.shape)
     return dq.result().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

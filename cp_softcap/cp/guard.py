@@ -45,7 +45,7 @@ _ROWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _groups(plan) -> tuple:
-    return tuple(g for g in ((plan.heads and plan.heads.group), (plan.zigzag and plan.zigzag.group))
+    return tuple(g for g in ((plan.heads and plan.heads.group), (plan.seq and plan.seq.group))
                  if g is not None)
 
 
@@ -68,7 +68,7 @@ def _check_call(plan, call: Call) -> None:
     """The per-call check of the collective algorithms on gloo (see the module docstring)."""
     if plan.path == "ring":
         return
-    group = plan.heads.group if plan.heads is not None else plan.zigzag.group
+    group = plan.heads.group if plan.heads is not None else plan.seq.group
     if not on_gloo(group, "cpu"):
         return
     rows, _ = _rows(plan)

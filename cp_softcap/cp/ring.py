@@ -8,7 +8,7 @@ for the peers whose keys its queries can see. A strictly forwarding ring cannot 
 zigzag (rank r needs rank r+1, cp-1 hops away), which is why each step talks to its source rank
 directly.
 
-Steps are grouped into blocks (plan.zigzag.blocks from layout.ring_blocks, about
+Steps are grouped into blocks (plan.seq.blocks from layout.ring_blocks, about
 CP_SOFTCAP_RING_BLOCK_KEYS keys each, the same blocks on every rank). A block's K/V land in one
 buffer and its fully visible pairs run as one long kernel call (layout.block_plan); the next
 block is in flight while one computes.
@@ -22,7 +22,7 @@ step order (deterministic). A block whose keys are each read by one kernel call
 from flash-attn): widening at the owner gives the same sum as sending a float32 copy, at half
 the bytes. Other blocks return float32 sums. Gradients are cast to the input dtype once.
 
-Packed documents (plan.zigzag.documents, docs/packing.md): the same steps and blocks on the
+Packed documents (plan.seq.documents, docs/packing.md): the same steps and blocks on the
 packed layout, with the geometry of doc_geometry (through calls.py): a member sends only the
 key ranges the receiver's queries see in the same document (several ranges travel back to back
 in one message), peers with no visible same-document key exchange nothing, calls may hold
@@ -46,16 +46,16 @@ from .guard import shard_function
 class _Block:
     """One block's K/V in flight: its buffers, slots and kernel calls."""
 
-    def __init__(self, zz, op, k, v, steps):
-        self.slots, self.calls = geo.block(zz, steps)
+    def __init__(self, seq, op, k, v, steps):
+        self.slots, self.calls = geo.block(seq, steps)
         n = sum(s.size for s in self.slots)
         b = k.shape[0]
         self.k = k.new_empty((b, n) + tuple(k.shape[2:]))
         self.v = v.new_empty((b, n) + tuple(v.shape[2:]))
-        self.exchange = Exchange(zz.group, op)
+        self.exchange = Exchange(seq.group, op)
         for s in steps:
-            dst = (zz.rank + s) % zz.size
-            ranges = geo.send_ranges(zz, dst)
+            dst = (seq.rank + s) % seq.size
+            ranges = geo.send_ranges(seq, dst)
             if ranges:
                 self.exchange.send(geo.take(k, ranges), dst).send(geo.take(v, ranges), dst)
         for slot in self.slots:
@@ -91,37 +91,37 @@ def return_dtype(partial: torch.dtype, acc: torch.dtype, exclusive: bool) -> tor
 
 def ring_forward(q, k, v, plan):
     """-> (out float32 [B, S, Hq, Dv], lse float32 [B, Hq, S]) for this rank's queries."""
-    zz, args = plan.zigzag, (plan.kernel, plan.spec.scale, plan.spec.softcap)
+    seq, args = plan.seq, (plan.kernel, plan.spec.scale, plan.spec.softcap)
     acc_out, acc_lse = new_accumulator(q.shape, v.shape[-1], plan.grad_dtype, q.device)
-    post = lambda i: _Block(zz, "ring.fwd.kv", k, v, zz.blocks[i])  # noqa: E731
-    pending = post(0) if zz.blocks else None
-    forward_calls(q, k, v, geo.self_calls(zz), *args, acc_out, acc_lse)
-    for i in range(len(zz.blocks)):
+    post = lambda i: _Block(seq, "ring.fwd.kv", k, v, seq.blocks[i])  # noqa: E731
+    pending = post(0) if seq.blocks else None
+    forward_calls(q, k, v, geo.self_calls(seq), *args, acc_out, acc_lse)
+    for i in range(len(seq.blocks)):
         blk = pending.wait()
-        pending = post(i + 1) if i + 1 < len(zz.blocks) else None
+        pending = post(i + 1) if i + 1 < len(seq.blocks) else None
         forward_calls(q, blk.k, blk.v, blk.calls, *args, acc_out, acc_lse)
     return acc_out, acc_lse
 
 
 def ring_backward(dout, q, k, v, out, lse, plan):
     """-> float32 (dq, dk, dv) of this rank's shards. out/lse: the final merged values."""
-    zz, kernel = plan.zigzag, plan.kernel
+    seq, kernel = plan.seq, plan.kernel
     args = (kernel, plan.spec.scale, plan.spec.softcap)
     gdt, partial = plan.grad_dtype, plan.partial_dtype
     # Once per backward, not per chunk pair: e.g. fa4 casts the float32 O and corrects D here.
     dout, out, dlse = kernel.prepare_backward(dout, out, None, q.dtype)
     dq, dk, dv = (GradAccumulator(t.shape, gdt, q.device) for t in (q, k, v))
-    post = lambda i: _Block(zz, "ring.bwd.kv", k, v, zz.blocks[i])  # noqa: E731
-    pending = post(0) if zz.blocks else None
-    backward_calls(dout, q, k, v, out, lse, dlse, geo.self_calls(zz), *args, dq, dk, dv)
+    post = lambda i: _Block(seq, "ring.bwd.kv", k, v, seq.blocks[i])  # noqa: E731
+    pending = post(0) if seq.blocks else None
+    backward_calls(dout, q, k, v, out, lse, dlse, geo.self_calls(seq), *args, dq, dk, dv)
     returning = None
-    for i, steps in enumerate(zz.blocks):
+    for i, steps in enumerate(seq.blocks):
         blk = pending.wait()
-        pending = post(i + 1) if i + 1 < len(zz.blocks) else None
-        rdt = lambda r, steps=steps: return_dtype(partial, gdt, geo.exclusive(zz, r, steps))  # noqa: E731
-        gk, gv = (GradAccumulator(t.shape, rdt(zz.rank), q.device) for t in (blk.k, blk.v))
+        pending = post(i + 1) if i + 1 < len(seq.blocks) else None
+        rdt = lambda r, steps=steps: return_dtype(partial, gdt, geo.exclusive(seq, r, steps))  # noqa: E731
+        gk, gv = (GradAccumulator(t.shape, rdt(seq.rank), q.device) for t in (blk.k, blk.v))
         backward_calls(dout, q, blk.k, blk.v, out, lse, dlse, blk.calls, *args, dq, gk, gv)
-        posted = _GradReturn(zz, gk.result(), gv.result(), blk.slots, k, v, steps, rdt)
+        posted = _GradReturn(seq, gk.result(), gv.result(), blk.slots, k, v, steps, rdt)
         if returning is not None:
             returning.add_into(dk, dv)
         returning = posted
@@ -134,16 +134,16 @@ class _GradReturn:
     """One block's dK/dV partials going back to the key owners, and ours coming back (in the
     dtype rdt(sender) of each sender's block)."""
 
-    def __init__(self, zz, gk, gv, slots, k, v, steps, rdt):
-        self.exchange = Exchange(zz.group, "ring.bwd.dkv")
+    def __init__(self, seq, gk, gv, slots, k, v, steps, rdt):
+        self.exchange = Exchange(seq.group, "ring.bwd.dkv")
         for slot in slots:
             end = slot.off + slot.size
             self.exchange.send(gk[:, slot.off:end], slot.src).send(gv[:, slot.off:end], slot.src)
         self.received = []
         b = k.shape[0]
         for s in steps:
-            dst = (zz.rank + s) % zz.size
-            ranges = geo.send_ranges(zz, dst)
+            dst = (seq.rank + s) % seq.size
+            ranges = geo.send_ranges(seq, dst)
             if ranges:
                 n = sum(b1 - b0 for b0, b1 in ranges)
                 rk = gk.new_empty((b, n) + tuple(k.shape[2:]), dtype=rdt(dst))
