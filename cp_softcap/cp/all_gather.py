@@ -25,7 +25,7 @@ from ..merge import GradAccumulator
 from ..transport import all_gather, reduce_scatter, wait
 from ..calls import backward_into, disjoint_rows, rows_out, stream_order
 from .guard import shard_function
-from .packing import pack, unpack
+from .kv_buffer import kv_buffer, kv_views
 
 
 class _Gathered:
@@ -37,8 +37,8 @@ class _Gathered:
         k1, k2 = k.chunk(2, dim=1)
         v1, v2 = v.chunk(2, dim=1)
         self.group, self.op = group, op
-        self.first, self.w1 = all_gather(pack(k1, v1), group, op, async_op=True)
-        self.second, self.w2 = all_gather(pack(k2, v2), group, op, async_op=True)
+        self.first, self.w1 = all_gather(kv_buffer(k1, v1), group, op, async_op=True)
+        self.second, self.w2 = all_gather(kv_buffer(k2, v2), group, op, async_op=True)
         self._halves = [None, None]
 
     def _half(self, i):
@@ -48,7 +48,7 @@ class _Gathered:
             hk = (self.k_shape[0], self.half) + tuple(self.k_shape[2:])
             hv = (self.v_shape[0], self.half) + tuple(self.v_shape[2:])
             ranks = range(self.cp) if i == 0 else reversed(range(self.cp))
-            parts = [unpack(buf[r], hk, hv) for r in ranks]
+            parts = [kv_views(buf[r], hk, hv) for r in ranks]
             self._halves[i] = (torch.cat([p[0] for p in parts], dim=1),
                                torch.cat([p[1] for p in parts], dim=1))
         return self._halves[i]
@@ -123,9 +123,9 @@ def all_gather_backward(dout, q, k, v, out, lse, plan):
         dv_full.add(k0, k1, gv)
     # reorder global dK/dV into per-owner zigzag slots and reduce-scatter in float32
     dk_full, dv_full = dk_full.result(), dv_full.result()
-    slots = torch.stack([pack(*_owner_shard(dk_full, dv_full, seq.size, r)) for r in range(seq.size)])
+    slots = torch.stack([kv_buffer(*_owner_shard(dk_full, dv_full, seq.size, r)) for r in range(seq.size)])
     mine = reduce_scatter(slots, seq.group, "all_gather.bwd.dkv")
-    dk, dv = unpack(mine, k.shape, v.shape)
+    dk, dv = kv_views(mine, k.shape, v.shape)
     return dq.result().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -140,8 +140,8 @@ def _owner_shard(dk_full, dv_full, cp, r):
 
 def _gather_global(k, v, seq, op):
     """Every rank's whole K/V shard, in global order (packed layout)."""
-    buf, _ = all_gather(pack(k, v), seq.group, op)
-    parts = [unpack(buf[r], k.shape, v.shape) for r in range(seq.size)]
+    buf, _ = all_gather(kv_buffer(k, v), seq.group, op)
+    parts = [kv_views(buf[r], k.shape, v.shape) for r in range(seq.size)]
     _, inv = stream_order(seq.documents, k.device)
     return (torch.cat([p[0] for p in parts], dim=1).index_select(1, inv),
             torch.cat([p[1] for p in parts], dim=1).index_select(1, inv))
@@ -166,6 +166,6 @@ def _packed_backward(dout, q, k, v, out, lse, plan):
     backward_into(kernel, dout, q, kg, vg, out, lse, dlse, calls, spec.scale, spec.softcap, dq, dk, dv)
     idx, _ = stream_order(seq.documents, q.device)      # global order -> shards back to back
     dk, dv = (g.result().index_select(1, idx) for g in (dk, dv))
-    slots = torch.stack([pack(a, b) for a, b in zip(dk.chunk(seq.size, dim=1), dv.chunk(seq.size, dim=1))])
-    dk, dv = unpack(reduce_scatter(slots, seq.group, "all_gather.bwd.dkv"), k.shape, v.shape)
+    slots = torch.stack([kv_buffer(a, b) for a, b in zip(dk.chunk(seq.size, dim=1), dv.chunk(seq.size, dim=1))])
+    dk, dv = kv_views(reduce_scatter(slots, seq.group, "all_gather.bwd.dkv"), k.shape, v.shape)
     return dq.result().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
