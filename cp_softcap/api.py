@@ -26,7 +26,8 @@ from .export import export_attention
 from .packed_local import (packed_attention, save_for_local_backward, saved_for_local_backward,
                            second_order_safe)
 from .groups import check_group
-from .plan import Backend, Plan, is_exporting, local_plan_for, plan_for
+from .export import is_exporting
+from .plan import Backend, Plan, local_plan_for, plan_for
 from .selector import check_backend
 from .spec import (alignment_error, check_causal_align, check_comm, normalize_softcap,
                    normalize_window, unaligned)

@@ -4,9 +4,9 @@ Python-blocked loop. It materialises the [B, Hq, Sq, Sk] score matrix (fine for 
 for training). Same conventions as every kernel: softcap before masking, bottom-right aligned
 window, rows that see no key give out = 0 and lse = -inf.
 
-Whether a call is being exported, and the refusals (context parallelism, packed documents, a
-forced non-torch kernel), are decided with the call's plan (plan.is_exporting, plan.refuse_cp):
-ValueErrors that python -O keeps.
+Whether a call is being exported (is_exporting) and the refusals (refuse_cp for context
+parallelism; packed documents and a forced non-torch kernel in plan.py) are decided with the
+call's plan: ValueErrors that python -O keeps.
 """
 from __future__ import annotations
 
@@ -18,6 +18,32 @@ from .kernels.base import grad_dtype
 from .spec import Window
 
 _NEG_INF = float("-inf")
+
+
+def is_exporting() -> bool:
+    """True inside torch.onnx.export (TorchScript or dynamo exporter) or torch.export tracing."""
+    try:
+        if torch.onnx.is_in_onnx_export():
+            return True
+    except Exception:  # pragma: no cover  (very old/new torch without the flag module)
+        pass
+    compiler = getattr(torch, "compiler", None)
+    flag = getattr(compiler, "_is_exporting_flag", None)
+    if isinstance(flag, bool):
+        # the flag itself: some torch releases (2.11 among them) fold torch.compiler.is_exporting()
+        # to True inside ANY torch.compile trace, which would send compiled calls to the export math
+        return flag
+    fn = getattr(compiler, "is_exporting", None)
+    return bool(fn()) if fn is not None else False
+
+
+def refuse_cp(cp_size: int) -> None:
+    """Raise when an export traces a context-parallel call."""
+    if cp_size > 1 and is_exporting():
+        raise ValueError(f"cp_softcap: context-parallel attention (cp={cp_size}) cannot be exported "
+                         "(torch.onnx.export / torch.export): its point-to-point collectives are not "
+                         "graph ops. Export the model on one device: pass cp_group=None (CPAttention) "
+                         "or group=None (cp_attention) and full-length inputs, or call cps.attention.")
 
 
 def export_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,

@@ -9,7 +9,7 @@ documents, the exportable math). Plans are cached per (group, call signature) in
 WeakKeyDictionary on the group object, so a reused object address never finds another group's
 plans; a plan refers to its groups weakly (_GroupRef), so a group and its plans are freed once
 it is destroyed (torch.distributed keeps it until then) and the user holds it no more. A call whose
-raw arguments were seen before gets its plan from a cache keyed on them (_call_key), without
+raw arguments were seen before gets its plan from a cache keyed on them (call_key), without
 validating them, building the spec or reading settings again. The plan is the only thing that
 crosses into the algorithms: each autograd.Function takes (q, k, v, plan).
 
@@ -22,10 +22,9 @@ rank fails at once with every rank's value instead of leaving its peers waiting.
 from __future__ import annotations
 
 import dataclasses
-import os
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -34,24 +33,18 @@ from . import settings
 from .calls import ring_members
 from .comm_model import choose_comm
 from .documents import PackedLayout, check_cu_seqlens
+from .export import is_exporting, refuse_cp
 from .groups import check_member, resolve_groups
+from .plan_cache import (ONE_DEVICE, PLANS, cacheable, call_key, call_settings, documents, memo,
+                         planning_inputs, recall, remember, weak)
 from .heads import check_heads, kv_head_index, query_head_index
 from .kernels.base import Kernel, grad_dtype
 from .layout import ring_blocks
 from .selector import select
-from .sharding import layout_for
-from .spec import AttnSpec, check_comm, check_local_shards, check_qkv, check_sinks, make_spec
+from .spec import AttnSpec, check_local_shards, check_qkv, check_sinks, make_spec
 from .transport import check_agreement
 
 Backend = Union[str, Kernel]
-
-
-def weak(groups: tuple) -> tuple:
-    """Groups as weak references, for the caches' keys and values (see _GroupRef)."""
-    return tuple(weakref.ref(g) if isinstance(g, _PROCESS_GROUP) else g for g in groups)
-
-
-_PROCESS_GROUP = getattr(dist, "ProcessGroup", ())      # torch builds without distributed
 
 
 class _GroupRef:
@@ -184,14 +177,6 @@ def signature(plan: Plan) -> Tuple[Tuple[str, str], ...]:
 
 # ---------------------------------------------------------------------------------- plans
 
-class _OneDevice:
-    """Stands for group=None in the plan cache (a key that is never freed)."""
-
-
-_ONE_DEVICE = _OneDevice()
-_PLANS: "weakref.WeakKeyDictionary[object, Dict[tuple, Plan]]" = weakref.WeakKeyDictionary()
-
-
 def spec_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap, causal, window, scale,
              cp_size: int = 1, comm: str = "ring", return_lse: bool = False,
              documents: bool = False, sinks: Optional[torch.Tensor] = None) -> AttnSpec:
@@ -211,7 +196,7 @@ def spec_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap, caus
 def local_plan(spec: AttnSpec, backend: Backend = "auto") -> Plan:
     """The plan of a single-device call (cached per spec and backend)."""
     key = (spec, backend, planning_inputs())
-    plans = _PLANS.setdefault(_ONE_DEVICE, {})
+    plans = PLANS.setdefault(ONE_DEVICE, {})
     if key not in plans:
         kernel = select(spec, backend).kernel
         plans[key] = Plan(spec, 0, 0, _backend_name(backend), kernel, None)
@@ -225,9 +210,9 @@ def local_plan_for(q, k, v, *, softcap, causal, window, scale, backend: Backend,
     """The plan of a one-device call (cps.attention): every argument validated, and what the
     call runs decided: path 'kernel' (one kernel call), 'packed' (plan.boundaries) or 'export'.
     sinks: the call's sinks tensor or None (its values are checked on every call)."""
-    key = _call_key(q, k, v, ("local", backend), (softcap, causal, window, scale, return_lse),
+    key = call_key(q, k, v, ("local", backend), (softcap, causal, window, scale, return_lse),
                     cu_seqlens, sinks)
-    hit = _recall(_ONE_DEVICE, key)
+    hit = recall(ONE_DEVICE, key)
     if hit is not None:
         if sinks is not None:
             check_sinks(sinks, q)
@@ -235,7 +220,7 @@ def local_plan_for(q, k, v, *, softcap, causal, window, scale, backend: Backend,
     plan = _one_device(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
                        backend=backend, return_lse=return_lse, cu_seqlens=cu_seqlens, sinks=sinks)
     if plan.path != "export":
-        _memo(_ONE_DEVICE, key, plan, ())
+        memo(ONE_DEVICE, key, plan, ())
     return plan
 
 
@@ -248,15 +233,15 @@ def plan_for(q, k, v, group, *, softcap, causal, window, scale, comm: str, backe
     invalid ones fail on every rank, after the signature exchange. sinks: the call's sinks
     tensor or None; the ranks compare only its presence (AttnSpec.sinks), and its values are
     checked on every call (a first call shows a bad one to the peers, as for q/k/v)."""
-    root = _ONE_DEVICE if group is None else group
+    root = ONE_DEVICE if group is None else group
     rest = ()
     if type(group) in (tuple, list) and len(group) == 2:    # comm='a2a+p2p': (a2a, ring)
         root, rest = group[0], (type(group),) + weak(group[1:])
-    key = _call_key(q, k, v, ("cp", comm, backend) + rest, (softcap, causal, window, scale),
-                    cu_seqlens, sinks) if _cacheable(root) else None
-    hit = _recall(root, key)
+    key = call_key(q, k, v, ("cp", comm, backend) + rest, (softcap, causal, window, scale),
+                    cu_seqlens, sinks) if cacheable(root) else None
+    hit = recall(root, key)
     # after destroy_process_group() a call with a group is planned in full, which says so
-    if hit is not None and (root is _ONE_DEVICE or dist.is_initialized()):
+    if hit is not None and (root is ONE_DEVICE or dist.is_initialized()):
         plan, refs = hit
         if sinks is not None:
             check_sinks(sinks, q, where=f"CP rank {plan.rank}" if refs else "")
@@ -277,135 +262,8 @@ def plan_for(q, k, v, group, *, softcap, causal, window, scale, comm: str, backe
                         scale=scale, comm=comm, backend=backend, cu_seqlens=cu_seqlens,
                         sinks=sinks)
     if plan.path != "export":
-        _memo(root, key, plan, groups)
+        memo(root, key, plan, groups)
     return plan
-
-
-# ------------------------------------------------------------------ the call's context
-#
-# A call whose raw arguments were seen before gets its plan from _CALLS without validating them
-# or building its spec again: the key holds everything validation and the spec depend on (the
-# tensors' shapes, dtypes and devices, whether a gradient is needed, the deterministic flag, the
-# options with their types, the boundaries' values, the raw planning variables). Calls that
-# cannot be keyed so (tensor subclasses, options of other types, a DeviceMesh, an export
-# trace) are planned in full every time, through the spec-keyed cache _PLANS.
-
-_CALLS: "weakref.WeakKeyDictionary[object, Dict[tuple, tuple]]" = weakref.WeakKeyDictionary()
-_SCALARS = (type(None), bool, int, float, str)
-
-
-def _typed(x):
-    """x with its type (1 and True, 1.0 and 1 are different options), or None."""
-    t = type(x)
-    if t in _SCALARS:
-        return t, x
-    if (t is tuple or t is list) and len(x) == 2 and type(x[0]) in _SCALARS \
-            and type(x[1]) in _SCALARS:
-        return t, type(x[0]), x[0], type(x[1]), x[1]
-    return None
-
-
-def _cacheable(root) -> bool:
-    return root is _ONE_DEVICE or isinstance(root, _PROCESS_GROUP)
-
-
-def _call_key(q, k, v, call: tuple, options: tuple, cu_seqlens, sinks=None) -> Optional[tuple]:
-    """The raw call as a key of _CALLS, or None (see above). sinks: its presence and whether it
-    needs a gradient are part of the key (its values are not: they are checked every call)."""
-    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
-        return None
-    typed = tuple(_typed(o) for o in options)
-    if None in typed or is_exporting():
-        return None
-    docs = None
-    if cu_seqlens is not None:
-        docs = cu_seqlens if isinstance(cu_seqlens, PackedLayout) else boundary_values(cu_seqlens)
-        if docs is None:
-            return None
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or (sinks is not None and sinks.requires_grad))
-    if sinks is not None:
-        if not isinstance(sinks, torch.Tensor):     # an nn.Parameter (the usual case) is keyed
-            return None
-        call = call + ("sinks",)
-    return (docs, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
-            v.device, grad, torch.are_deterministic_algorithms_enabled(), planning_inputs(),
-            call, typed)
-
-
-def _recall(root, key) -> Optional[tuple]:
-    if key is None:
-        return None
-    try:
-        return _CALLS[root].get(key)
-    except (KeyError, TypeError):       # TypeError: a backend that is no dict key
-        return None
-
-
-def _memo(root, key, plan: Plan, groups: tuple) -> None:
-    """Remember (plan, weak(groups)) for `key`, bounded by _evict (keys with boundaries, key[0],
-    are the packed ones; calls whose shapes keep changing, e.g. a growing KV length, must not
-    grow the cache forever)."""
-    if key is None:
-        return
-    calls = _CALLS.setdefault(root, {})
-    try:
-        calls[key] = (plan, weak(groups))
-    except TypeError:
-        return
-    _evict(calls, key[0] is not None, lambda kk, _: kk[0] is not None)
-
-
-def planning_inputs() -> Tuple[str, ...]:
-    """The raw values of the variables a call's plan depends on (settings.PLANNING; unvalidated:
-    a plan cache key; an invalid value is reported when the plan is built, after the ranks
-    compared plans)."""
-    return tuple(os.environ.get(name, "") for name in settings.PLANNING)
-
-
-_PER_CALL: Dict[tuple, tuple] = {}
-
-
-def call_settings() -> Tuple[Optional[float], Optional[bool]]:
-    """(CP_SOFTCAP_TIMEOUT, CP_SOFTCAP_CHECK_EVERY_CALL) as settings.py validates them, read at
-    call time and validated once per raw value; None for an invalid value (the settings function
-    raises it where the value is used)."""
-    raw = tuple(os.environ.get(name, "") for name in settings.PER_CALL)
-    if raw not in _PER_CALL:
-        values = []
-        for read in (settings.timeout_s, settings.check_every_call):
-            try:
-                values.append(read())
-            except ValueError:
-                values.append(None)
-        _PER_CALL[raw] = tuple(values)
-    return _PER_CALL[raw]
-
-
-def is_exporting() -> bool:
-    """True inside torch.onnx.export (TorchScript or dynamo exporter) or torch.export tracing."""
-    try:
-        if torch.onnx.is_in_onnx_export():
-            return True
-    except Exception:  # pragma: no cover  (very old/new torch without the flag module)
-        pass
-    compiler = getattr(torch, "compiler", None)
-    flag = getattr(compiler, "_is_exporting_flag", None)
-    if isinstance(flag, bool):
-        # the flag itself: some torch releases (2.11 among them) fold torch.compiler.is_exporting()
-        # to True inside ANY torch.compile trace, which would send compiled calls to the export math
-        return flag
-    fn = getattr(compiler, "is_exporting", None)
-    return bool(fn()) if fn is not None else False
-
-
-def refuse_cp(cp_size: int) -> None:
-    """Raise when an export traces a context-parallel call."""
-    if cp_size > 1 and is_exporting():
-        raise ValueError(f"cp_softcap: context-parallel attention (cp={cp_size}) cannot be exported "
-                         "(torch.onnx.export / torch.export): its point-to-point collectives are not "
-                         "graph ops. Export the model on one device: pass cp_group=None (CPAttention) "
-                         "or group=None (cp_attention) and full-length inputs, or call cps.attention.")
 
 
 # ------------------------------------------------------------------ building a plan
@@ -453,9 +311,9 @@ def _cp_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple, c
     _check_inputs(q, k, v, cp, where, groups, sinks)
     spec = spec_for(q, k, v, softcap=softcap, causal=causal, window=window, scale=scale,
                     cp_size=cp, comm=comm, documents=cu_seqlens is not None, sinks=sinks)
-    layout, doc_error = _documents(cu_seqlens, q.shape[1], cp)
+    layout, doc_error = documents(cu_seqlens, q.shape[1], cp)
     key = (spec, q.shape[0], q.shape[1], weak(groups[1:]), backend, planning_inputs(), layout)
-    plans = _PLANS.setdefault(groups[0], {})
+    plans = PLANS.setdefault(groups[0], {})
     plan = plans.get(key) if doc_error is None else None
     if plan is None:
         plan, error = _draft(spec, q.shape[0], q.shape[1], backend,
@@ -473,78 +331,10 @@ def _cp_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: tuple, c
                 # interpreter exit can tear gloo down out of order (an abort after the error)
                 del failure
         plan = _finish(plan, groups, rank)
-        _remember(plans, key, plan)
+        remember(plans, key, plan)
     elif settings.check_every_call():
         _compare(plan, groups, q.device)
     return plan
-
-
-MAX_PACKED_PLANS = 16               # per group: packed boundaries change every training step
-MAX_CALL_PLANS = 256                # per group (or one device): raw calls remembered
-
-
-def _remember(plans: dict, key: tuple, plan: Plan) -> None:
-    """Cache `plan`, bounded by _evict (shapes that keep changing, e.g. dynamic padding)."""
-    plans[key] = plan
-    _evict(plans, plan.layout is not None, lambda _, p: p.layout is not None)
-
-
-def _evict(cache: dict, added_packed: bool, packed) -> None:
-    """Oldest first: packed entries (packed(key, value)) beyond MAX_PACKED_PLANS when a packed
-    one was just added, then any entry beyond MAX_CALL_PLANS."""
-    if added_packed:
-        for old in [k for k, v in cache.items() if packed(k, v)][:-MAX_PACKED_PLANS]:
-            del cache[old]
-    while len(cache) > MAX_CALL_PLANS:
-        del cache[next(iter(cache))]
-
-
-# The last boundaries and their layout: every layer of a step passes the same boundaries, and
-# validating them and finding their layout again would cost each layer ~40 us of host time. The
-# cache is keyed on the VALUES (read each call, so a tensor refilled in place, however, is never
-# taken for its old contents); a CUDA tensor costs a device sync per call to read, so pass a
-# list or a CPU tensor.
-_LAST_BOUNDARIES: list = [None]         # ((values, local_len, cp), layout)
-
-
-def boundary_values(cu_seqlens):
-    """The boundaries as a tuple of ints when they are a 1-D integer tensor or a list/tuple of
-    ints (the cache key; a CUDA tensor is read, a device sync, so callers that also need the
-    values read them once here and pass the tuple); None for anything else (validated in full
-    every call)."""
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() \
-                or cu_seqlens.dtype == torch.bool or cu_seqlens.device.type == "meta":
-            return None
-        return tuple(cu_seqlens.tolist())
-    if isinstance(cu_seqlens, (list, tuple)) and all(type(v) is int for v in cu_seqlens):
-        return tuple(cu_seqlens)
-    return None
-
-
-def _documents(cu_seqlens, local_len: int, cp: int):
-    """(PackedLayout or None, error or None) for the boundaries of a call on local shards of
-    local_len tokens (the layout's local length, sharding.shard(..., cu_seqlens=))."""
-    if cu_seqlens is None:
-        return None, None
-    values = boundary_values(cu_seqlens)
-    key, last = (values, local_len, cp), _LAST_BOUNDARIES[0]
-    if values is not None and last is not None and last[0] == key:
-        return last[1], None
-    try:
-        # no rank in the message: ranks compare it, and equal bad boundaries must read the same
-        layout = layout_for(values if values is not None else cu_seqlens, local_len * cp, cp)
-    except (TypeError, ValueError) as e:
-        return None, e.with_traceback(None)     # kept for later: no frames (see plan_for)
-    if values is not None and layout.local_len == local_len:
-        _LAST_BOUNDARIES[0] = (key, layout)
-    if layout.local_len != local_len:
-        return None, ValueError(
-            f"local shards have {local_len} tokens, but the packed layout of these "
-            f"cu_seqlens over cp={cp} holds {layout.local_len} per rank; shard q, k and v with "
-            "cp_softcap.sharding.shard(x, cp, rank, cu_seqlens=cu_seqlens), which pads the stream "
-            "to sharding.packed_len(S, cp)")
-    return layout, None
 
 
 def _backend_name(backend: Backend) -> str:

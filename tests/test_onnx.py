@@ -11,7 +11,7 @@ import torch
 
 import cp_softcap as cps
 from cp_softcap.export import export_attention
-from cp_softcap.plan import refuse_cp
+from cp_softcap.export import refuse_cp
 from cp_softcap.testing import saturating_qkv
 
 onnx = pytest.importorskip("onnx")

@@ -6,6 +6,7 @@ import torch
 
 import cp_softcap as cps
 from cp_softcap import plan as planning
+from cp_softcap import plan_cache
 from cp_softcap.kernels.torch_kernel import TorchKernel
 
 
@@ -52,19 +53,19 @@ def test_boundaries_refilled_in_place_get_their_new_layout():
     """One boundaries tensor reused across steps and refilled without a version bump (through
     numpy or .data) must never keep the old layout: the cache is keyed on the values."""
     cu = torch.tensor([0, 40, 100, 128])
-    first, err = planning._documents(cu, 64, 2)
+    first, err = plan_cache.documents(cu, 64, 2)
     assert err is None and first.cu_seqlens == (0, 40, 100, 128)
     version = cu._version
     cu.numpy()[:] = [0, 10, 20, 128]
     assert cu._version == version           # what a version-keyed cache would miss
-    second, err = planning._documents(cu, 64, 2)
+    second, err = plan_cache.documents(cu, 64, 2)
     assert err is None and second.cu_seqlens == (0, 10, 20, 128)
     cu.data[:] = torch.tensor([0, 64, 65, 128])
-    third, _ = planning._documents(cu, 64, 2)
+    third, _ = plan_cache.documents(cu, 64, 2)
     assert third.cu_seqlens == (0, 64, 65, 128)
-    assert planning._documents(cu, 64, 2)[0] is third          # the same values: cached
+    assert plan_cache.documents(cu, 64, 2)[0] is third          # the same values: cached
     float_cu = torch.tensor([0.0, 64.0, 65.0, 128.0])          # equal values, wrong dtype
-    assert isinstance(planning._documents(float_cu, 64, 2)[1], TypeError)
+    assert isinstance(plan_cache.documents(float_cu, 64, 2)[1], TypeError)
 
 
 def test_warm_plan_follows_what_the_plan_depends_on(monkeypatch):
@@ -110,27 +111,25 @@ def test_plan_decides_the_accumulation_and_partial_dtypes():
 
 def test_raw_call_cache_stays_bounded_when_shapes_keep_changing():
     """A key length that grows every call (as in decoding) must not grow the cache forever."""
-    from cp_softcap import plan as plan_mod
     q = torch.randn(1, 1, 2, 8)
-    for n in range(1, plan_mod.MAX_CALL_PLANS + 40):
+    for n in range(1, plan_cache.MAX_CALL_PLANS + 40):
         kv = torch.randn(1, n, 2, 8)
         cps.attention(q, kv, kv, softcap=30.0, causal_align="bottom_right")   # decoding
-    assert len(plan_mod._CALLS[plan_mod._ONE_DEVICE]) <= plan_mod.MAX_CALL_PLANS
+    assert len(plan_cache.CALLS[plan_cache.ONE_DEVICE]) <= plan_cache.MAX_CALL_PLANS
 
 
 def test_plan_cache_eviction_keeps_the_newest_within_both_bounds(monkeypatch):
-    """plan._evict (both plan caches): packed entries beyond MAX_PACKED_PLANS go oldest first,
+    """plan_cache.evict (both plan caches): packed entries beyond MAX_PACKED_PLANS go oldest first,
     other entries stay; then anything beyond MAX_CALL_PLANS goes oldest first."""
-    from cp_softcap import plan as plan_mod
-    monkeypatch.setattr(plan_mod, "MAX_PACKED_PLANS", 2)
-    monkeypatch.setattr(plan_mod, "MAX_CALL_PLANS", 5)
+    monkeypatch.setattr(plan_cache, "MAX_PACKED_PLANS", 2)
+    monkeypatch.setattr(plan_cache, "MAX_CALL_PLANS", 5)
     cache = {}
     packed = lambda k, v: v == "packed"            # noqa: E731
     for key, kind in [(1, "plain"), (2, "packed"), (3, "packed"), (4, "plain"), (5, "packed")]:
         cache[key] = kind
-        plan_mod._evict(cache, kind == "packed", packed)
+        plan_cache.evict(cache, kind == "packed", packed)
     assert list(cache) == [1, 3, 4, 5]
     for key in (6, 7):
         cache[key] = "plain"
-        plan_mod._evict(cache, False, packed)
+        plan_cache.evict(cache, False, packed)
     assert list(cache) == [3, 4, 5, 6, 7]

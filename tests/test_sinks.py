@@ -140,9 +140,9 @@ def test_spec_records_presence_only():
     with_sinks = local_plan_for(q, k, v, sinks=sinks, **kw)
     assert with_sinks.spec.sinks and not local_plan_for(q, k, v, **kw).spec.sinks
     assert local_plan_for(q, k, v, sinks=sinks * 2, **kw) is with_sinks
-    from cp_softcap.plan import _call_key      # an nn.Parameter keys the call cache too
+    from cp_softcap.plan_cache import call_key      # an nn.Parameter keys the call cache too
     param = torch.nn.Parameter(sinks.detach().clone())
-    assert _call_key(q, k, v, ("local", "auto"), (None,), None, param) is not None
+    assert call_key(q, k, v, ("local", "auto"), (None,), None, param) is not None
     assert TOLERANCES[F64]["out"] < 1e-9
 
 

@@ -1,4 +1,4 @@
-"""The raw-call plan cache (plan._CALLS) under CP: a warm call is never run on a plan that the
+"""The raw-call plan cache (plan_cache.CALLS) under CP: a warm call is never run on a plan that the
 full planning would refuse."""
 import torch
 
@@ -133,12 +133,12 @@ def test_hf_use_cp_group_does_not_keep_the_group_alive():
 def _growing_worker(rank, world):
     import torch.distributed as dist
     import cp_softcap as cps
-    from cp_softcap import plan as plan_mod
-    plan_mod.MAX_CALL_PLANS = 8             # the bound, made small for the test
+    from cp_softcap import plan_cache
+    plan_cache.MAX_CALL_PLANS = 8             # the bound, made small for the test
     for n in range(1, 21):                  # a local length that changes every call
         q = torch.randn(1, 2 * n, 2, 8)
         cps.cp_attention(q, q, q, dist.group.WORLD, softcap=30.0, comm="ring")
-    return len(plan_mod._PLANS[dist.group.WORLD]), len(plan_mod._CALLS[dist.group.WORLD])
+    return len(plan_cache.PLANS[dist.group.WORLD]), len(plan_cache.CALLS[dist.group.WORLD])
 
 
 def test_plan_caches_stay_bounded_under_cp_when_shapes_keep_changing():

@@ -26,7 +26,8 @@ from contextlib import ExitStack
 
 import torch
 
-from ..plan import VALID_INPUTS, call_settings, signature, weak
+from ..plan import VALID_INPUTS, signature
+from ..plan_cache import call_settings, weak
 from ..transport import Call, check_agreement, digest, in_call, on_gloo
 
 DOUBLE_BACKWARD = (

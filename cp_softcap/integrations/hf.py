@@ -63,7 +63,7 @@ import torch
 from ..api import attention, cp_attention
 from ..documents import PackedLayout, document_starts
 from ..groups import check_member, resolve_groups
-from ..plan import boundary_values, weak
+from ..plan_cache import boundary_values, weak
 from ..selector import check_backend
 from ..sharding import positions as cp_positions
 from ..spec import check_comm
