@@ -5,13 +5,12 @@ and `local_plan_for(q, k, v, ...)` (attention) validate everything (q/k/v, bound
 export) and resolve the call into a `Plan`: the validated AttnSpec, the process group(s) with
 this rank's CP size and rank, the selected kernel, the algorithm after comm='auto' and the
 zigzag / head geometry it runs on, or for one device the path (one kernel call, packed
-documents, the exportable math). Plans are cached per (group, call signature) in a
-WeakKeyDictionary on the group object, so a reused object address never finds another group's
-plans; a plan refers to its groups weakly (_GroupRef), so a group and its plans are freed once
-it is destroyed (torch.distributed keeps it until then) and the user holds it no more. A call whose
-raw arguments were seen before gets its plan from a cache keyed on them (call_key), without
-validating them, building the spec or reading settings again. The plan is the only thing that
-crosses into the algorithms: each autograd.Function takes (q, k, v, plan).
+documents, the exportable math). Plans are cached per group and call signature
+(plan_cache.py: a call whose raw arguments were seen before gets its plan without validating
+them, building the spec or reading settings again); a plan refers to its groups weakly
+(_GroupRef), so a group and its plans are freed once it is destroyed and the user holds it no
+more. The group as the user passes it is resolved by groups.py. The plan is the only thing
+that crosses into the algorithms: each autograd.Function takes (q, k, v, plan).
 
 Under CP the first call of a signature (every call with CP_SOFTCAP_CHECK_EVERY_CALL=1) compares
 `signature(plan)` across the ranks: every compared field of the plan and of its spec, so a new

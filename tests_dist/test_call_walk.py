@@ -6,9 +6,9 @@ import torch
 
 from harness import run_ranks
 
-WARM_RING_WALK = {"api.py", "spec.py", "plan.py", "plan_cache.py", "export.py", "cp/guard.py", "cp/ring.py",
-                  "calls.py", "kernels/torch_kernel.py", "kernels/base.py", "merge.py",
-                  "transport.py"}
+WARM_RING_WALK = {"api.py", "spec.py", "plan.py", "plan_cache.py", "export.py", "cp/guard.py",
+                  "cp/ring.py", "calls.py", "kernels/torch_kernel.py", "kernels/base.py",
+                  "merge.py", "transport.py"}
 
 
 def _walk_worker(rank, world):
