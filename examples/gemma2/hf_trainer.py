@@ -29,6 +29,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from cp_softcap.integrations.hf_trainer import CPTrainer, cp_mesh  # noqa: E402
+from cp_softcap.sharding import fits_zigzag  # noqa: E402
 
 PAD, VOCAB = 0, 259                       # byte-level ids: byte + 3; pad 0, eos 1, bos 2
 
@@ -111,7 +112,7 @@ def parse(argv=None) -> argparse.Namespace:
     elif a.cp >= 1 and a.comm == "a2a" and HEADS % a.cp:
         problems.append(f"--comm a2a splits the {HEADS} query heads over cp={a.cp} ranks; use a --cp "
                         "that divides 4, or --comm ring / all_gather / auto")
-    if a.cp >= 1 and a.unpacked and a.seq_len % (2 * a.cp):
+    if a.cp >= 1 and a.unpacked and not fits_zigzag(a.seq_len, a.cp):
         problems.append(f"--unpacked rows of --seq-len {a.seq_len} must be a multiple of 2 * cp = "
                         f"{2 * a.cp}")
     if problems:

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, replace
 from typing import List, NamedTuple, Optional, Tuple
 
+from cp_softcap.sharding import fits_zigzag
+
 GIB = 1 << 30
 RING_BLOCK_KEYS = 32768      # cp_softcap's default for CP_SOFTCAP_RING_BLOCK_KEYS
 # What a GPU process holds outside PyTorch's caching allocator (the CUDA context, loaded kernel
@@ -235,7 +237,7 @@ def what_fits(job: Job, limit: int) -> List[str]:
              ("--fsdp", dict(fsdp=True)), ("--fsdp --ac selective", dict(fsdp=True, ac="selective")),
              ("--fsdp --ac full", dict(fsdp=True, ac="full"))]
     cp = job.cp * 2
-    while cp <= job.world and job.seq_len % (2 * cp) == 0:
+    while cp <= job.world and fits_zigzag(job.seq_len, cp):
         if job.world % cp == 0:
             tries.append((f"--cp {cp} --fsdp --ac full", dict(cp=cp, fsdp=True, ac="full")))
         cp *= 2
