@@ -3,10 +3,11 @@
     python -m torch.distributed.run --nproc-per-node 4 tests_dist/gemma2_workers.py recipe OUT.json
     python -m torch.distributed.run --nproc-per-node 4 tests_dist/gemma2_workers.py hf OUT.json
     python -m torch.distributed.run --nproc-per-node 4 tests_dist/gemma2_workers.py ac OUT.json
-    python -m torch.distributed.run --nproc-per-node 2 tests_dist/gemma2_workers.py packed OUT.json
+    python -m torch.distributed.run --nproc-per-node 2 tests_dist/gemma2_workers.py world2 OUT_DIR
 
 Each rank compares its CP result against the full model run on one process (computed locally on
-every rank from the same seed) and rank 0 writes the worst relative errors to OUT.json.
+every rank from the same seed) and rank 0 writes the worst relative errors to OUT.json. world2
+runs packed (OUT_DIR/packed.json) and ddp (OUT_DIR/ddp.json) in one launch.
 """
 from __future__ import annotations
 
@@ -43,6 +44,15 @@ def worst_over_ranks(errs: dict) -> dict:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out[k] = t.item()
     return out
+
+
+def replicated(model, d, **kw):
+    """`model` with the example's gradient reduction (parallelize.apply_ddp, as train.py applies
+    it when dp x cp > 1)."""
+    from gemma2.parallelize import apply_ddp
+    if d.grad_mesh.size() > 1:
+        apply_ddp(model, d, **kw)
+    return model
 
 
 def recipe(out_path: str, comms: str = "ring") -> None:
@@ -84,6 +94,7 @@ def recipe(out_path: str, comms: str = "ring") -> None:
         else:
             model = Gemma2(cfg, group, comm=comm)
             model.load_state_dict(ref.state_dict())
+            replicated(model, d)
         loss = loss_and_grads(model, tokens[rows].clone(), d, pad_id=0)
         grads = {n: (p.grad.full_tensor() if fsdp else p.grad) for n, p in model.named_parameters()}
         bad = [n for n, g in grads.items() if g is None or not torch.isfinite(g).all()]
@@ -115,8 +126,12 @@ def recipe(out_path: str, comms: str = "ring") -> None:
     model.load_state_dict(ref.state_dict())
     for layer in model.model.layers:
         layer.self_attn.attn.window = (None, 0)
-    neg = loss_and_grads(model, tokens.clone(), d, pad_id=0)
+    neg = loss_and_grads(replicated(model, d), tokens.clone(), d, pad_id=0)
     errs["control: no window, loss"] = abs(neg.item() - ref_loss.item()) / abs(ref_loss.item())
+    # DDP against the flat all-reduce after backward at dp 2 x cp 2: 4 ranks, where the order of
+    # summation depends on how the buffers are split, so equal to float32 rounding only
+    d = parallel.make_dist(2, torch.device("cpu"))
+    errs.update(old_vs_ddp(cfg, ref, tokens[d.dp_rank * 2:d.dp_rank * 2 + 2], d, "ddp dp2xcp2"))
     errs = worst_over_ranks(errs)
     if rank == 0:
         with open(out_path, "w") as f:
@@ -147,6 +162,7 @@ def ac(out_path: str) -> None:
             model.load_state_dict(ref.state_dict())
             model.loss_chunk = 16
             apply_ac(model, mode)
+            replicated(model, d)
             calls = {"attn": 0, "mlp": 0}     # module calls, recomputations included
             for layer in model.model.layers:
                 for name, mod in (("attn", layer.self_attn.attn), ("mlp", layer.mlp)):
@@ -195,7 +211,7 @@ def packed(out_path: str) -> None:
     for comm in ("ring", "a2a"):
         model = Gemma2(cfg, d.cp_group, comm=comm)
         model.load_state_dict(ref.state_dict())
-        loss = packed_loss_and_grads(model, inp, lab, cu, d)
+        loss = packed_loss_and_grads(replicated(model, d), inp, lab, cu, d)
         grads = {n: p.grad for n, p in model.named_parameters()}
         if not torch.isfinite(loss) or any(not torch.isfinite(g).all() for g in grads.values()):
             raise AssertionError(f"pack {comm}: non-finite loss or gradients on rank {d.rank}")
@@ -203,13 +219,145 @@ def packed(out_path: str) -> None:
         errs[f"pack cp{d.cp} {comm} grads"] = max(rel(grads[n], ref_grads[n]) for n in grads)
     model = Gemma2(cfg, d.cp_group)
     model.load_state_dict(ref.state_dict())
-    neg = packed_loss_and_grads(model, inp, lab, [0, cu[-1]], d)
+    neg = packed_loss_and_grads(replicated(model, d), inp, lab, [0, cu[-1]], d)
     errs["control: boundaries dropped, loss"] = -abs(neg.item() - ref_loss.item()) / abs(ref_loss.item())
     errs = worst_over_ranks(errs)    # the control is negated: its worst is the smallest change
     errs["control: boundaries dropped, loss"] *= -1
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(errs, f, indent=1)
+
+
+STEPS, LR = 3, 1e-2
+
+
+def _flat_sum_step(model, tokens, d):
+    """The reference for DDP: step.loss_and_grads on a plain model, with the whole backward
+    first and then every gradient summed over dp x cp in one flat all-reduce (no overlap)."""
+    from gemma2.step import count_valid, labels_of, shard_batch
+    inp, lab, pos = shard_batch(tokens, d.cp, d.cp_rank, pad_id=0)
+    loss = model(inp, pos, labels=lab) / count_valid(labels_of(tokens, 0), d).to(torch.float32)
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=d.grad_group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=d.grad_group)
+    return total
+
+
+def _train(model, tokens, d, step_fn):
+    """STEPS AdamW steps (gradients clipped as train.py does), each on a different slice of
+    `tokens`: (losses, the first step's gradients, final weights)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+    losses = []
+    for step in range(STEPS):
+        losses.append(step_fn(model, torch.roll(tokens, step * 7, dims=1).clone(), d))
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return torch.stack(losses), grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def old_vs_ddp(cfg, ref, tokens, d, tag, compile_ac=None, bucket_cap_mb=None) -> dict:
+    """STEPS training steps with the flat all-reduce after backward (a plain model) and with
+    parallelize.apply_ddp: {tag loss: the largest relative difference of a step's loss, tag
+    grads: of a gradient of the first step (relative, in norm), tag weights: the largest
+    absolute difference of a final weight, tag weights moved: how far training moved them}.
+    compile_ac:
+    the DDP model's layers also compiled (blocks, aot_eager) and checkpointed with this --ac."""
+    from gemma2.model import Gemma2
+    from gemma2.parallelize import apply_ac, apply_compile
+    from gemma2.step import loss_and_grads
+
+    runs = []
+    for new in (False, True):
+        model = Gemma2(cfg, d.cp_group)
+        model.load_state_dict(ref.state_dict())
+        if new and compile_ac:
+            apply_ac(model, compile_ac)
+            apply_compile(model, "blocks", backend="aot_eager")
+        if new:
+            replicated(model, d, bucket_cap_mb=bucket_cap_mb)
+        runs.append(_train(model, tokens, d, lambda m, t, d: loss_and_grads(m, t, d, pad_id=0)
+                           if new else _flat_sum_step(m, t, d)))
+    (l0, g0, w0), (l1, g1, w1) = runs
+    if not torch.isfinite(l1).all():
+        raise AssertionError(f"{tag}: non-finite DDP losses {l1}")
+    return {f"{tag} loss": ((l1 - l0).abs() / l0.abs()).max().item(),
+            f"{tag} grads": max(rel(g1[n], g0[n]) for n in g0),
+            f"{tag} weights": max((w1[n] - w0[n]).abs().max().item() for n in w0),
+            f"{tag} weights moved": min((w0[n] - ref.state_dict()[n]).abs().max().item() for n in w0)}
+
+
+def ddp(out_path: str) -> None:
+    """parallelize.apply_ddp against the flat all-reduce after backward it replaced, STEPS AdamW
+    steps at dp 2 x cp 1 and dp 1 x cp 2 (world 2): losses and final weights. With 2 ranks every
+    sum has one order, so they must be equal bitwise, also with buckets small enough for DDP to
+    make several, and with the layers compiled (blocks, aot_eager) under selective AC. Also
+    recorded: how many buckets DDP had launched before the embedding's gradient (the last one
+    backward produces) was ready, in the step after DDP regrouped its buckets (> 0: the
+    reduction overlaps the backward), and the compiled run's graphs and graph breaks."""
+    from torch._dynamo.utils import counters
+
+    from gemma2 import parallel, parallelize
+    from gemma2.config import get_config
+    from gemma2.model import Gemma2
+    from gemma2.step import loss_and_grads
+
+    cfg = get_config("tiny", num_hidden_layers=2, sliding_window=16, attn_logit_softcapping=5.0)
+    torch.manual_seed(0)
+    ref = Gemma2(cfg)
+    randomize(ref)
+    tokens = torch.randint(3, cfg.vocab_size, (4, 65))
+    tokens[1, -5:] = 0
+    errs = {}
+    d = parallel.make_dist(1, torch.device("cpu"))
+    errs.update(old_vs_ddp(cfg, ref, tokens[d.dp_rank * 2:d.dp_rank * 2 + 2], d, "ddp dp2xcp1"))
+    d = parallel.make_dist(2, torch.device("cpu"))
+    errs.update(old_vs_ddp(cfg, ref, tokens, d, "ddp dp1xcp2 small buckets", bucket_cap_mb=0.05))
+    torch._dynamo.reset()
+    counters.clear()
+    errs.update(old_vs_ddp(cfg, ref, tokens, d, "ddp dp1xcp2 compiled ac", compile_ac="selective"))
+    errs["compiled graphs"] = counters["stats"]["unique_graphs"]
+    errs["compiled graph breaks"] = sum(counters["graph_break"].values())
+
+    launched, before_embedding = [], []
+    real_hook = parallelize._sum_each_gradient
+
+    def counting(group, bucket):
+        launched.append(bucket.index())
+        return real_hook(group, bucket)
+    parallelize._sum_each_gradient = counting
+    try:
+        model = Gemma2(cfg, d.cp_group)
+        model.load_state_dict(ref.state_dict())
+        replicated(model, d, bucket_cap_mb=0.05)
+    finally:
+        parallelize._sum_each_gradient = real_hook
+    emb = model.model.embed_tokens.weight
+    emb.register_post_accumulate_grad_hook(lambda p: before_embedding.append(len(launched)))
+    for step in range(2):
+        launched.clear()
+        loss_and_grads(model, tokens.clone(), d, pad_id=0)
+        model.zero_grad(set_to_none=True)
+    errs["buckets"] = len(launched)
+    errs["buckets launched before the embedding gradient"] = before_embedding[-1]
+    errs = worst_over_ranks(errs)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(errs, f, indent=1)
+
+
+def world2(out_dir: str) -> None:
+    packed(os.path.join(out_dir, "packed.json"))
+    ddp(os.path.join(out_dir, "ddp.json"))
 
 
 def hf(out_path: str) -> None:
@@ -274,7 +422,8 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     try:
-        {"recipe": recipe, "hf": hf, "ac": ac, "packed": packed}[sys.argv[1]](*sys.argv[2:])
+        {"recipe": recipe, "hf": hf, "ac": ac, "packed": packed, "ddp": ddp,
+         "world2": world2}[sys.argv[1]](*sys.argv[2:])
     finally:
         dist.destroy_process_group()
     # The results are written: leave without interpreter teardown, where gloo's threads of the

@@ -64,7 +64,8 @@ def parser(doc: str) -> Parser:
       help="compute dtype over float32 weights (autocast); auto = bfloat16 on GPU, float32 on CPU "
       "(--plan plans a GPU run: bfloat16 unless --device cpu)")
     a("--fsdp", action="store_true", help="shard parameters, grads and optimizer state over all ranks "
-      "(FSDP2); needed for 9b/27b. Off: a full replica per rank, gradients all-reduced")
+      "(FSDP2); needed for 9b/27b. Off: a full replica per rank (DDP), gradients all-reduced "
+      "during backward")
     a("--ac", default="none", choices=AC_MODES,
       help="activation checkpointing: full recomputes each layer in backward, selective its MLP half")
     a("--compile", nargs="?", const="blocks", default=None, choices=("blocks", "pieces"),

@@ -1,6 +1,8 @@
-"""Setup: the device, the process group and the dp x cp DeviceMesh (cp on adjacent ranks), and
-the group CPAttention gets for each --comm. Applying AC, compile and FSDP2 to the model is
-parallelize.py; the training step (the CP recipe) is step.py.
+"""Setup: the device, the process group and the job's one DeviceMesh (dp x cp, cp on adjacent
+ranks), sliced for every group the example uses: cp for CPAttention (unflattened into ring x a2a
+for a2a+p2p), dp for the token count, dp x cp flattened for the gradients. Applying AC, compile
+and data parallelism (DDP or FSDP2) to the model is parallelize.py; the training step (the CP
+recipe) is step.py.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ COMMS = ("ring", "all_gather", "a2a", "a2a+p2p", "auto")
 
 @dataclass(frozen=True)
 class Dist:
-    """This rank's place in the dp x cp mesh; everything is read from the mesh.
+    """This rank's place in the dp x cp mesh; every group is a slice of the mesh.
 
     mesh: a DeviceMesh with dims ("dp", "cp"), or ("cp",) alone for a CP job on a subgroup (dp 1).
     """
@@ -35,6 +37,7 @@ class Dist:
     cp_rank = property(lambda self: self._rank("cp"))
     world = property(lambda self: self.mesh.size())
     rank = property(lambda self: dist.get_rank())
+    cp_mesh = property(lambda self: self.mesh["cp"])
     cp_group = property(lambda self: self.mesh.get_group("cp"))
 
     @property
@@ -42,14 +45,16 @@ class Dist:
         return self.mesh.get_group("dp") if self.dp > 1 else None
 
     @property
-    def grad_group(self):
-        """The ranks that share one model and sum its gradients: all of the mesh (None = world)."""
-        if self.mesh.size() == dist.get_world_size():
-            return None
-        if self.mesh.ndim != 1:
-            raise ValueError("a dp x cp mesh must span the whole world; build a ('cp',) mesh "
-                             "for a CP job on a subgroup")
-        return self.mesh.get_group()
+    def grad_mesh(self):
+        """The ranks that share one model and sum its gradients, all of dp x cp, as a 1-D mesh
+        ("dp_cp", flattened from the mesh): what DDP all-reduces over and FSDP2 shards over. Its
+        process group is its own, never CPAttention's: gradients are reduced while backward
+        still runs the CP collectives, and with dp 1 the cp dim spans the same ranks."""
+        if self.mesh.ndim == 1:
+            return self.mesh
+        return self.mesh["dp", "cp"]._flatten("dp_cp", backend_override=dist.get_backend())
+
+    grad_group = property(lambda self: self.grad_mesh.get_group())
 
     @property
     def device(self) -> torch.device:
@@ -109,7 +114,8 @@ def _elastic_store_kwargs() -> dict:
 
 
 def make_dist(cp: Optional[int], dev: torch.device) -> Dist:
-    """The dp x cp DeviceMesh over the initialised world (cp on adjacent ranks)."""
+    """The job's DeviceMesh, dp x cp over the initialised world (cp on adjacent ranks), built
+    once: every group the example needs is a slice of it."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
@@ -152,20 +158,15 @@ def check_comm(comm: str, cp: int, num_heads: int, a2a_size: Optional[int] = Non
 
 def attention_group(d: Dist, comm: str, num_heads: int, a2a_size: Optional[int] = None):
     """The group argument CPAttention gets for `comm` (after check_comm): d.cp_group, or for
-    a2a+p2p the pair (a2a group of `a2a_size` consecutive CP ranks, ring group across them).
-    Collective for a2a+p2p (every rank must call it). With dp = 1 the pair comes from
-    cp_softcap.make_hybrid_groups; with dp > 1 from a (dp, ring, a2a) DeviceMesh, because
-    make_hybrid_groups splits one CP group and each dp replica has its own. Either way CP rank
-    = ring rank * a2a_size + a2a rank, the rank the zigzag shards use."""
+    a2a+p2p the pair (a2a group of `a2a_size` consecutive CP ranks, ring group across them), the
+    mesh's cp dim unflattened into ("ring", "a2a"), so that CP rank = ring rank * a2a_size + a2a
+    rank, the rank the zigzag shards use. Collective for a2a+p2p (every rank must call it). A
+    ("cp",) mesh made from a group (subgroup_dist) is split by cp_softcap.make_hybrid_groups."""
     check_comm(comm, d.cp, num_heads, a2a_size)
     if comm != "a2a+p2p":
         return d.cp_group
-    if d.cp == d.world:
+    if d.mesh.ndim == 1:
         from cp_softcap import make_hybrid_groups
         return make_hybrid_groups(d.cp_group, a2a_size)
-    if d.dp * d.cp != d.world:
-        raise ValueError(f"a2a+p2p groups need dp x cp = world ({d.dp} x {d.cp} != {d.world})")
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh(d.device.type, (d.dp, d.cp // a2a_size, a2a_size),
-                            mesh_dim_names=("dp", "ring", "a2a"))
-    return mesh.get_group("a2a"), mesh.get_group("ring")
+    split = d.cp_mesh._unflatten(0, (d.cp // a2a_size, a2a_size), ("ring", "a2a"))
+    return split.get_group("a2a"), split.get_group("ring")

@@ -3,7 +3,9 @@
 All cp ranks of one dp group read the same batch; each keeps its zigzag shard of ids, labels and
 position ids. The loss on each rank is its local cross-entropy SUM divided by the number of valid
 tokens of the whole step (counted before sharding, summed over dp); gradients are then SUMMED
-over dp x cp, which makes the result equal the single-process loss and gradients.
+over dp x cp, which makes the result equal the single-process loss and gradients. The sum is
+made during backward by what parallelize.py applied to the model: DDP (apply_ddp) or FSDP2
+(apply_fsdp).
 """
 from __future__ import annotations
 
@@ -41,25 +43,11 @@ def count_valid(labels_full: torch.Tensor, d: Dist) -> torch.Tensor:
     return n
 
 
-def sum_grads(params, group=None) -> None:
-    """SUM every gradient over `group` (default: the whole dp x cp world), in one flat buffer."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads or dist.get_world_size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def loss_and_grads(model, tokens: torch.Tensor, d: Dist, autocast=None,
                    pad_id: Optional[int] = None) -> torch.Tensor:
     """One step's forward+backward with the CP recipe. tokens [B, S+1]: this dp group's batch
-    (pad_id tokens are not predicted). Leaves the SUMMED (dp x cp) gradients in .grad (FSDP2
-    sums them itself); returns the global mean loss over valid tokens (0-d, the same on every
-    rank)."""
+    (pad_id tokens are not predicted). Leaves the SUMMED (dp x cp) gradients in .grad; returns
+    the global mean loss over valid tokens (0-d, the same on every rank)."""
     inp, lab, pos = (t.to(d.device) for t in shard_batch(tokens, d.cp, d.cp_rank, pad_id))
     return _step(model, inp, pos, lab, count_valid(labels_of(tokens, pad_id), d), d, autocast)
 
@@ -83,16 +71,25 @@ def packed_loss_and_grads(model, inp: torch.Tensor, lab: torch.Tensor, cu_seqlen
 
 
 def _step(model, ids, pos, labels, n_valid, d: Dist, autocast, **model_kw) -> torch.Tensor:
-    """Forward and backward of this rank's shard with the loss over the step's valid labels, then
-    gradients summed over dp x cp (FSDP2 reduces its own); returns the step's global loss."""
-    from torch.distributed.fsdp import FSDPModule
-
+    """Forward and backward of this rank's shard with the loss over the step's valid labels (the
+    model's DDP or FSDP2 sums the gradients over dp x cp during backward); returns the step's
+    global loss."""
+    group = d.grad_group
+    if dist.get_world_size(group) > 1 and not _reduces_gradients(model):
+        raise ValueError(f"the model's gradients would not be summed over the {d.dp} x {d.cp} "
+                         "dp x cp ranks: apply parallelize.apply_ddp (or apply_fsdp) to it first, "
+                         "as train.py's build does")
     ctx = autocast if autocast is not None else torch.autocast(d.device.type, enabled=False)
     with ctx:
         loss = model(ids, pos, labels=labels, **model_kw) / n_valid.to(torch.float32)
     loss.backward()
-    if not isinstance(model, FSDPModule):
-        sum_grads(model.parameters(), d.grad_group)
     total = loss.detach().clone()
-    dist.all_reduce(total, group=d.grad_group)
+    dist.all_reduce(total, group=group)
     return total
+
+
+def _reduces_gradients(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    from .parallelize import is_replicated
+    return isinstance(model, FSDPModule) or is_replicated(model)

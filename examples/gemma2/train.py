@@ -63,7 +63,8 @@ def check_memory(args, job: memory.Job) -> None:
 
 
 def build(args, cfg, d: parallel.Dist):
-    """Model (same init on every rank; AC, compile, FSDP2 applied), optimizer, token stream."""
+    """Model (same init on every rank; AC, compile, then FSDP2 or DDP applied), optimizer, token
+    stream."""
     group = parallel.attention_group(d, args.comm, cfg.num_attention_heads, args.a2a_size)
     with torch.device("meta" if args.fsdp else "cpu"):   # FSDP: materialise only this rank's shards
         model = Gemma2(cfg, group, comm=args.comm, backend=args.backend)
@@ -75,6 +76,8 @@ def build(args, cfg, d: parallel.Dist):
     if args.fsdp:
         parallelize.apply_fsdp(model, d, getattr(torch, flags.compute_dtype(args)))
         model.to_empty(device=d.device)
+    elif d.grad_mesh.size() > 1:
+        parallelize.apply_ddp(model, d)
     model.reset_parameters(args.seed)
     if args.model_dir:
         load_hf_weights(model, args.model_dir)
