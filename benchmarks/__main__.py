@@ -88,7 +88,7 @@ def _run_in_process(step: Step, args: List[str]) -> int:
     try:
         main = importlib.import_module(step.module).main
         rc = main(args) if inspect.signature(main).parameters else main()
-        return int(rc or 0)
+        return rc if isinstance(rc, int) else 0          # some mains return their records
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except Exception:

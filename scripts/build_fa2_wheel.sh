@@ -6,8 +6,8 @@
 #   TORCH_SPEC=torch==2.11.0 ARCHS=90 PY=python3.12 JOBS=2 TRIM=1 bash scripts/build_fa2_wheel.sh
 #   nohup bash scripts/build_fa2_wheel.sh > fa2_build.log 2>&1 &      # 35-90 min on 2 cores
 #
-# The wheel lands in $OUT_DIR (default .fa2/, git-ignored), ready to copy along to the GPU machine
-# (scripts/gpu_check.sh fa2 installs it with pip --no-index --no-deps).
+# The wheel lands in $OUT_DIR (default .gpu_wheels/, git-ignored), where scripts/stage_gpu_extras.py
+# packs it with the other GPU extras for a machine without a package index (docs/gpu.md).
 #
 # TRIM=1 (default) builds a TEST wheel: head-dim tiles 64/128/256 only and dropout/ALiBi compiled
 # out, which halves the number of CUDA files and cuts each one by about a third. Head dims other
@@ -24,7 +24,7 @@ ARCHS=${ARCHS:-90}
 PY=${PY:-python3.12}
 JOBS=${JOBS:-2}
 TRIM=${TRIM:-1}
-OUT_DIR=${OUT_DIR:-$ROOT/.fa2}
+OUT_DIR=${OUT_DIR:-$ROOT/.gpu_wheels}
 WORK=${WORK:-$ROOT/.fa2-build}
 command -v "$PY" >/dev/null || { echo "build_fa2_wheel: $PY not found; set PY= to the GPU machine's Python" >&2; exit 2; }
 command -v nvcc >/dev/null || { echo "build_fa2_wheel: nvcc not found; set PATH/CUDA_HOME to a CUDA toolkit matching the torch build" >&2; exit 2; }
