@@ -106,20 +106,24 @@ def run(nproc: int, script: str, args: Sequence[str], timeout: float, what: str)
 def reference_and_cp(workers: str, out: str, what: str):
     """`workers ref out` in one process and `workers cp out` on 4 torchrun ranks, started
     together; each run writes <name>.json and <name>.pt into `out`. Returns (the CP run's
-    output, load(name) -> (json, tensors))."""
-    import json
-
-    import torch
-
+    output, loader(out))."""
     ref = start([sys.executable, workers, "ref", out])
     cp = start(torchrun_args(4) + [workers, "cp", out])
     # a hang guard, not a speed check: each run also compiles a model (torch_compile=True)
     _, cp_out = finish([ref, cp], timeout=420, what=what)
+    return cp_out, loader(out)
+
+
+def loader(out: str):
+    """load(name) -> (json, tensors) of the <name>.json and <name>.pt a run wrote into `out`."""
+    import json
+
+    import torch
 
     def load(name):
         with open(os.path.join(out, name + ".json")) as f:
             return json.load(f), torch.load(os.path.join(out, name + ".pt"))
-    return cp_out, load
+    return load
 
 
 def rel(a, b) -> float:

@@ -20,17 +20,23 @@ pytest.importorskip("accelerate")
 sys.path.insert(0, os.path.dirname(__file__))
 import gemma2_launch as L  # noqa: E402
 from gemma2_launch import rel  # noqa: E402
+from session_once import once_per_session  # noqa: E402
 
 WORKERS = os.path.join(L.ROOT, "tests_dist", "hf_trainer_workers.py")
 TOL = 1e-5           # float32 CP vs float64 eager, relative (measured ~1e-7)
 
 
+def _launch(out: str) -> str:
+    cp_out, _ = L.reference_and_cp(WORKERS, out, "HF Trainer reference and CP runs")
+    assert "dp 2 x cp 2 (ring, packed): train losses [" in cp_out      # examples/gemma2/hf_trainer.py ran
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("hf_trainer"))
-    cp_out, load = L.reference_and_cp(WORKERS, out, "HF Trainer reference and CP runs")
-    assert "dp 2 x cp 2 (ring, packed): train losses [" in cp_out      # examples/gemma2/hf_trainer.py ran
-    return load, out
+    # once per session: xdist's -n 2 may hand this module's tests to both workers
+    out = once_per_session(tmp_path_factory, "hf_trainer", _launch)
+    return L.loader(out), out
 
 
 def errors(run, ref) -> dict:

@@ -21,6 +21,7 @@ pytest.importorskip("trl", minversion="1.16")
 sys.path.insert(0, os.path.dirname(__file__))
 import gemma2_launch as L  # noqa: E402
 from gemma2_launch import rel  # noqa: E402
+from session_once import once_per_session  # noqa: E402
 
 WORKERS = os.path.join(L.ROOT, "tests_dist", "sft_workers.py")
 TOL = 1e-6
@@ -28,12 +29,17 @@ STEP_KEYS = ("loss", "grad_norm", "mean_token_accuracy", "entropy", "num_tokens"
 CASES = {"packed_completion": 2, "packed_assistant": 1, "padfree_full": 2, "padfree_completion_odd": 1}
 
 
+def _launch(out: str) -> str:
+    cp_out, _ = L.reference_and_cp(WORKERS, out, "SFT reference and CP runs")
+    assert "dp 2 x cp 2 (ring, packed): train losses [" in cp_out      # examples/gemma2/sft.py ran
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("sft"))
-    cp_out, load = L.reference_and_cp(WORKERS, out, "SFT reference and CP runs")
-    assert "dp 2 x cp 2 (ring, packed): train losses [" in cp_out      # examples/gemma2/sft.py ran
-    return load, out
+    # once per session: xdist's -n 2 may hand this module's tests to both workers
+    out = once_per_session(tmp_path_factory, "trl_sft", _launch)
+    return L.loader(out), out
 
 
 def errors(run, ref, keys=STEP_KEYS, eval_metrics=False) -> dict:
