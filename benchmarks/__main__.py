@@ -83,7 +83,7 @@ def _run_subprocess(cmd: List[str], timeout: int) -> int:
 
 def _run_in_process(step: Step, args: List[str]) -> int:
     """The step's main() in this process (dry runs in the tests: no interpreter start per step)."""
-    saved = sys.argv
+    saved, environ = sys.argv, dict(os.environ)        # steps may set variables (the allocator's)
     sys.argv = [step.module, *args]
     try:
         main = importlib.import_module(step.module).main
@@ -96,6 +96,8 @@ def _run_in_process(step: Step, args: List[str]) -> int:
         return 1
     finally:
         sys.argv = saved
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def suffix(step: Step, mode: str, card: Optional[str]) -> str:

@@ -74,7 +74,7 @@ def bench_ms(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 200) -
 def device_name() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
-    return f"cpu (torch {torch.__version__}, dry run)"
+    return f"cpu (torch {torch.__version__})"
 
 
 def card(name: str) -> Optional[str]:
@@ -144,8 +144,6 @@ def table(rows: List[List[str]]) -> str:
 # --------------------------------------------------------------------------- gloo ranks on CPU
 
 def _rank_entry(fn, rank, world, init_file, results, args, env, pg_timeout, pin_cores):
-    import datetime as dt
-
     import torch.distributed as dist
     os.environ.update(env)
     torch.set_num_threads(1)
@@ -157,7 +155,7 @@ def _rank_entry(fn, rank, world, init_file, results, args, env, pg_timeout, pin_
             pass
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world, timeout=dt.timedelta(seconds=pg_timeout))
+                                world_size=world, timeout=datetime.timedelta(seconds=pg_timeout))
         results.put((rank, "ok", fn(rank, world, *args)))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))

@@ -76,14 +76,12 @@ SUITES: Dict[str, List[Step]] = {
         Step("packed_short", C,
              full=["--packed", "short", "--seqs", "131072", "--cps", "8", "--kernel", "fa4",
                    "--tag", "fa4"],
-             quick=["--packed", "short", "--seqs", "131072", "--cps", "8", "--kernel", "fa4",
-                    "--rep-ms", "60", "--tag", "fa4"],
+             quick=None,
              dry=["--dry-run", "--packed", "short", "--kernel", "torch", "--rep-ms", "1"],
              about="the same with short documents"),
     ],
     "multi": [
-        Step("cp_multi", "benchmarks.cp_multi", gpus="all", min_gpus=1,
-             quick=["--seqs", "32768", "--rep-ms", "100"],
+        Step("cp_multi", "benchmarks.cp_multi", gpus="all", min_gpus=1, quick=None,
              about="cps.cp_attention over NCCL, one rank per GPU, every comm, vs ideal "
                    "(one GPU: the single-device path's overhead)"),
         Step("cp_multi_window", "benchmarks.cp_multi", gpus="all", min_gpus=2,
@@ -94,8 +92,7 @@ SUITES: Dict[str, List[Step]] = {
     "training": [
         Step("speed", "benchmarks.training.speed",
              full=["--config", "2b", "--seq-len", "8192", "--batch-size", "1", "--no-progress"],
-             quick=["--config", "2b", "--seq-len", "8192", "--batch-size", "1", "--no-progress",
-                    "--variants", "1", "--no-profile", "--warm", "2", "--steps", "3"],
+             quick=None,
              dry=["--device", "cpu", "--config", "tiny", "--seq-len", "64", "--batch-size", "1",
                   "--no-progress", "--warm", "1", "--steps", "1", "--variants", "1", "--no-profile"],
              about="the Gemma2 example's step (2b, 8K tokens): time, tokens/s, MFU, peak memory "
@@ -120,12 +117,14 @@ SUITES: Dict[str, List[Step]] = {
     ],
     "hf": [
         Step("hf_attention", "benchmarks.hf_attention",
-             quick=["--impls", "cp_softcap", "eager", "--steps", "2"],
+             quick=None,
+             dry=["--dry-run", "--steps", "1"],
              about="HF Gemma2 with attn_implementation='cp_softcap' vs HF's own implementations"),
     ],
     "peers": [
         Step("peers", "benchmarks.peers", gpus="all", min_gpus=1,
-             quick=["--models", "9B", "--local-seqs", "32768", "--layouts", "causal"],
+             quick=["--models", "9B", "--local-seqs", "32768", "--layouts", "causal", "--comms",
+                    "auto", "--cps-backends", "auto"],
              about="cps next to ring-flash-attn, yunchang and PyTorch's context_parallel: "
                    "exactness and fwd+bwd time"),
         Step("torch_cp", "benchmarks.torch_cp", gpus="all", min_gpus=2, quick=None,

@@ -61,18 +61,16 @@ def read_groups(path: str = LIST) -> Dict[str, List[str]]:
     return groups
 
 
-def dist_name(requirement_or_wheel: str) -> str:
-    """The normalised distribution name of 'name==version' or of a wheel's file name."""
-    base = os.path.basename(requirement_or_wheel)
-    name = base.split("==")[0] if "==" in base else base.split("-")[0]
+def normalized(name: str) -> str:
     return name.lower().replace("-", "_").replace(".", "_")
 
 
 def find_wheel(folder: str, requirement: str) -> str:
+    """The wheel of 'name==version' in folder (a local version label may follow), or ''."""
     name, version = requirement.split("==")
     for path in glob.glob(os.path.join(folder, "*.whl")):
-        parts = os.path.basename(path).split("-")
-        if dist_name(parts[0]) == dist_name(name) and parts[1].split("+")[0] == version:
+        parts = os.path.basename(path).split("-")       # a wheel's name has no '-' inside
+        if normalized(parts[0]) == normalized(name) and parts[1].split("+")[0] == version:
             return path
     return ""
 

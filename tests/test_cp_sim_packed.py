@@ -1,10 +1,9 @@
-"""benchmarks/cp_sim.py --packed: the dry run (CPU, torch kernel, tiny shapes) writes its JSON
-outside benchmarks/results/, and the simulated ranks' calls cover exactly the full packed
-attention (so the timed ratio compares the same work)."""
-import json
-import os
+"""benchmarks/cp_sim.py --packed: the dry run (CPU, torch kernel, tiny shapes; the cp_sim suite's,
+tests/bench_dry.py) records every rank of both layouts, and the simulated ranks' calls cover
+exactly the full packed attention (so the timed ratio compares the same work)."""
+import pytest
+from bench_dry import dry_record
 
-from benchmarks import cp_sim
 from benchmarks.packing_balance import fixed_layout, mix
 from cp_softcap import doc_geometry as dgeo
 from cp_softcap.documents import packed_layout
@@ -12,10 +11,9 @@ from cp_softcap.documents import packed_layout
 CAUSAL = (None, 0)
 
 
-def test_packed_dry_run(tmp_path):
-    assert cp_sim.main(["--dry-run", "--packed", "short", "--kernel", "torch", "--rep-ms", "1",
-                        "--out-dir", str(tmp_path)]) == 0
-    recs = json.load(open(os.path.join(tmp_path, "cp_sim_packed_short.json")))["records"]
+@pytest.mark.timeout(1500)
+def test_packed_dry_run(tmp_path_factory):
+    recs = dry_record(tmp_path_factory, "cp_sim", "cp_sim_packed_short")["records"]
     assert {(r["layout"], r["mode"], r["cp"]) for r in recs} == {
         (lay, m, cp) for lay in ("packed", "zigzag") for m in ("fwd", "fwd+bwd") for cp in (2, 4)}
     for r in recs:

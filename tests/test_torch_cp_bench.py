@@ -1,35 +1,16 @@
-"""benchmarks/torch_cp.py --dry-run: both systems run on 2 gloo ranks (torch's CP where it works
-on CPU, its error recorded where it does not), the records cover every system, case and shape,
-and where torch's CP produced an output it agrees with cps's within float32 tolerance."""
-import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
-
+"""benchmarks/torch_cp.py's dry run (the peers suite's, tests/bench_dry.py): both systems run on 2
+gloo ranks (torch's CP where it works on CPU, its error recorded where it does not), the records
+cover every system, case and shape, and where torch's CP produced an output it agrees with cps's
+within float32 tolerance."""
 import pytest
+from bench_dry import dry_record
 
-ROOT = Path(__file__).resolve().parent.parent
-
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(1500)
 
 
 @pytest.fixture(scope="module")
 def blob(tmp_path_factory):
-    out = tmp_path_factory.mktemp("torch_cp")
-    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["TMPDIR"] = str(out)
-    env["OUT"] = str(out)                   # a dry run writes there by default, never into results/
-    start = time.time()
-    res = subprocess.run([sys.executable, "benchmarks/torch_cp.py", "--dry-run"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, f"dry run exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
-    path = out / "torch_cp_N2.json"
-    assert path.is_file(), f"no {path.name} in $OUT; stdout:\n{res.stdout[-2000:]}"
-    written = [p.name for p in (ROOT / "benchmarks" / "results").glob("torch_cp*") if p.stat().st_mtime >= start]
-    assert not written, f"the dry run wrote into benchmarks/results: {written}"
-    return json.loads(path.read_text())
+    return dry_record(tmp_path_factory, "peers", "torch_cp_N2")
 
 
 def test_records_cover_every_system_case_and_shape(blob):
