@@ -104,8 +104,8 @@ def test_readme_plan_example_prints_what_readme_says(capsys):
     assert e.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
     after = readme[readme.index(cmd):][:400]
-    assert "refuses (299 GiB per rank)" in " ".join(after.split())
-    assert "needs about 299.3 GiB per rank but the device has 139.0 GiB" in out
+    assert "refuses (334 GiB per rank)" in " ".join(after.split())
+    assert "needs about 333.7 GiB per rank but the device has 139.0 GiB" in out
     assert "--fsdp --ac selective (91.7 GiB), --fsdp --ac full (29.5 GiB)" in out
 
 

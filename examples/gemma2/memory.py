@@ -165,6 +165,9 @@ def estimate(job: Job) -> List[Tuple[str, int]]:
     t = job.tokens
     base = [("parameters (float32)", 4 * total // shard),
             ("optimizer state (AdamW, 2 x float32)", 8 * total // shard)]
+    ddp = not job.fsdp and job.world > 1
+    if ddp:    # parallelize.apply_ddp: the gradients are views into them
+        base.append(("gradients: DDP's buckets (float32, kept)", 4 * total))
     during = [("activations kept for backward", t * (per_layer * n_layers + 12 * c.hidden_size
                                                      + 8 * c.head_dim)),
               ("activations of one layer recomputed (AC)", t * recompute),
@@ -183,8 +186,10 @@ def estimate(job: Job) -> List[Tuple[str, int]]:
     if job.fsdp:       # gathered weights and their grads, and a float32 reduce-scatter input
         during.append(("FSDP2 unsharded embedding + 2 layers", (2 * res) * (root + 2 * layer) + 4 * layer))
         end = [("gradients (sharded) + embedding reduce-scatter", 4 * total // shard + 4 * root)]
+    elif ddp:     # before its second step DDP regroups the buckets: old and new alive at once
+        end = [("DDP's buckets regrouped before step 2 (2 sets)", 4 * total)]
     else:
-        end = [("gradients (float32) + all-reduce buffer", 8 * total)]
+        end = [("gradients (float32)", 4 * total)]
     rows = [(f"{name} [step]", b) for name, b in during] + [(f"{name} [end]", b) for name, b in end]
     static = sum(b for _, b in base)
     # the loss runs after the last layer's forward and before the first layer's backward, so its
@@ -195,7 +200,8 @@ def estimate(job: Job) -> List[Tuple[str, int]]:
     loss += held.pop("bf16 weight copies in autocast's cache, until the loss ends", 0)
     layer = sum(b for name, b in held.items() if name.startswith(("attention", "activations of one")))
     step = sum(held.values()) - layer + max(loss, layer)
-    return base + rows + [("peak = parameters + optimizer + max([step], [end])",
+    return base + rows + [("peak = parameters + optimizer" + (" + buckets" if ddp else "")
+                           + " + max([step], [end])",
                            static + max(step, end[0][1]))]
 
 
