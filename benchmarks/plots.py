@@ -133,9 +133,24 @@ def _ring_cpu(blob: Dict, png: str) -> None:
              f"D{meta['D']} fp32, 1 thread/rank", hline=1.0)
 
 
+def _speed(blob: Dict, png: str) -> None:
+    ok = [r for r in blob["records"] if "tokens_per_s" in r]
+    bar_plot(png, [r["variant"] for r in ok], {"tokens/s": [r["tokens_per_s"] for r in ok]},
+             "tokens/s", f"the example's step per Liger variant: {blob['meta'].get('flags', '')}")
+
+
+def _sinks_cost(blob: Dict, png: str) -> None:
+    ok = [r for r in blob["records"] if "ratio" in r]
+    labels = list(dict.fromkeys(f"{r['kernel']} {r['layer']} {r['S'] // 1024}K" for r in ok))
+    series = {m: [next((r["ratio"] for r in ok if r["mode"] == m and
+                        f"{r['kernel']} {r['layer']} {r['S'] // 1024}K" == lbl), float("nan"))
+                   for lbl in labels] for m in ("fwd", "fwd+bwd")}
+    bar_plot(png, labels, series, "time with sinks / without", "attention sinks' cost", hline=1.0)
+
+
 PLOTS: Dict[str, Callable[[Dict, str], None]] = {
     "kernels": _kernels, "fa4_softcap": _fa4_softcap, "cp_sim": _cp_sim, "cp_multi": _cp_multi,
-    "comm_bytes": _comm_bytes, "ring_cpu": _ring_cpu}
+    "comm_bytes": _comm_bytes, "ring_cpu": _ring_cpu, "speed": _speed, "sinks_cost": _sinks_cost}
 
 
 def _script_plot(stem: str) -> Optional[Callable[[Dict, str], None]]:

@@ -4,7 +4,7 @@ Each call gets its own rendezvous file (parallel pytest-xdist workers never coll
 use one thread each, and the parent enforces a hard timeout: on expiry or on any rank's failure
 every worker is killed and the failing rank's traceback is raised. Workers start from a
 forkserver that has torch imported once, so each spawn costs milliseconds, not an import.
-The process handling is ranks.spawn_ranks (tests_dist/ranks.py, shared with the benchmarks).
+The process handling is ranks.spawn_ranks (tests_dist/ranks.py).
 """
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 
 The one spawn / rendezvous / poll / deadline / kill loop behind the multi-process tests
 (tests_dist/harness.run_ranks: a failure is an AssertionError; test_no_hangs.spawn: a rank that
-raises or dies is an outcome to check) and the CPU benchmarks (benchmarks/_util.launch_ranks: a
-failure is a RuntimeError). They differ only in how they start processes and what they make of
-the outcomes, so those are parameters here and the callers are thin wrappers. Not public API.
+raises or dies is an outcome to check). They differ only in how they start processes and what
+they make of the outcomes, so those are parameters here and the callers are thin wrappers. Not
+public API.
 
     outcomes, running = spawn_ranks(fn, 2, (x,), ctx="spawn", deadline_s=60)
     # outcomes: {rank: ("ok", value) | ("error", traceback text) | ("exit", exit code)}
