@@ -38,8 +38,9 @@ ratio = this time / the fastest cps time of the same case (> 1: cps is faster).
 What a system cannot do is recorded with the reason (status "cannot"), a missing package as
 "not installed", an exception as "error"; nothing is left out silently.
 Writes benchmarks/results/peers_N<N>[_tag].json and .png (a dry run: $OUT or a temporary
-folder). --flash-attn-standin runs the peers' code on CPU over a flash-attn stand-in (the torch
-kernel, tests_dist/fa2_window_standin.py) to check this harness's calls without a GPU.
+folder). --flash-attn-standin MODULE:CLASS runs the peers' code on CPU over a flash-attn stand-in
+(an object with flash-attn 2's split functions; the tests pass the torch kernel with flash-attn
+2's window rules) to check this harness's calls without a GPU.
 """
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ def _importable(module: str) -> bool:
 def _missing(module: str, cuda: bool, standin: bool) -> Optional[tuple]:
     if not _importable(module):
         return ("not installed", f"{module} is not importable (pip install -e '.[peers]' on a GPU "
-                                 f"machine, or scripts/stage_peers.sh for one without an index)")
+                                 f"machine; without an index: docs/gpu.md)")
     if not cuda and not standin:
         return ("not runnable here", "calls flash-attn 2's CUDA kernels; no GPU in this run")
     if not _importable("flash_attn.flash_attn_interface"):   # flash-attn 4 alone is not enough
@@ -481,7 +482,7 @@ def run(a, rank: int, world: int, cuda: bool) -> Optional[Dict]:
     # aliases the buffer the next kernel call overwrites
     dtype = torch.bfloat16 if cuda or a.flash_attn_standin else torch.float32
     if a.flash_attn_standin:
-        install_flash_attn_standin()
+        install_flash_attn_standin(a.flash_attn_standin)
     records: List[Dict] = []
     for case in cases(a):
         s_check = a.check_seq
@@ -582,11 +583,13 @@ def _meta(a, world, dev, dtype, complete: bool) -> Dict:
 
 # ------------------------------------------------------------------------------ flash-attn stand-in
 
-def install_flash_attn_standin() -> None:
-    """A CPU `flash_attn` package whose split functions are the torch kernel with flash-attn 2's
-    window rules (tests_dist/fa2_window_standin.py): lets the peers' Python run on gloo."""
-    from tests_dist.fa2_window_standin import _Module
-    impl = _Module()
+def install_flash_attn_standin(spec: str) -> None:
+    """A CPU `flash_attn` package whose split functions are those of `spec` ("module:Class", an
+    object with flash-attn 2's _flash_attn_forward/_backward and their varlen forms): lets the
+    peers' Python run on gloo."""
+    import importlib
+    module, cls = spec.split(":")
+    impl = getattr(importlib.import_module(module), cls)()
     pkg = types.ModuleType("flash_attn")
     pkg.__version__ = "2.8.3"
     pkg.__path__ = []
@@ -674,8 +677,8 @@ def main(argv=None) -> int:
                    help="kernels for cps (fa2: the peers' kernel)")
     p.add_argument("--sdpa-backends", nargs="+", default=["flash", "cudnn"], choices=["flash", "cudnn", "efficient"])
     p.add_argument("--rep-ms", type=int, default=100)
-    p.add_argument("--flash-attn-standin", action="store_true",
-                   help="CPU only: run the peers over a torch stand-in of flash-attn 2 (checks the calls)")
+    p.add_argument("--flash-attn-standin", metavar="MODULE:CLASS",
+                   help="CPU only: run the peers over this stand-in of flash-attn 2 (checks the calls)")
     p.add_argument("--tag", default="", help="suffix of the output files: peers_N<N>_<tag>.json")
     p.add_argument("--out-dir", default=None, help=OUT_DIR_HELP)
     p.add_argument("--dry-run", action="store_true")

@@ -41,7 +41,8 @@ def test_bf16_gradients_use_the_rounding_aware_reference(tmp_path):
     """In bf16 with a saturated cap, the plain float64 gradients differ from a flash kernel's by
     the rounding of O in D (measured 1.3e-2 on an H100 for fa4, fa2 and yunchang alike): both
     references are computed and recorded, and the verdict takes either (see test_verdict)."""
-    rc = peers.main(["--dry-run", "--flash-attn-standin", "--systems", "cps", "--layouts", "causal",
+    rc = peers.main(["--dry-run", "--flash-attn-standin", "tests_dist.fa2_window_standin:_Module",
+                     "--systems", "cps", "--layouts", "causal",
                      "--comms", "ring", "--out-dir", str(tmp_path)])
     assert rc == 0
     recs = json.loads((tmp_path / "peers_N2.json").read_text())["records"]
