@@ -81,11 +81,25 @@ def test_export_math_equals_torch_kernel(dtype, window, sq, sk):
     torch.testing.assert_close(lse.double(), ref_lse.double(), rtol=tol, atol=tol)
 
 
+def _exporting(monkeypatch):
+    """Every module's is_exporting answers True. Each module binds its own name (from .export
+    import is_exporting), and one left unpatched would let the raw-call plan cache serve a
+    call planned before the export."""
+    import sys
+
+    import cp_softcap.export as export
+    patched = [m for name, m in list(sys.modules.items()) if name.split(".")[0] == "cp_softcap"
+               and getattr(m, "is_exporting", None) is export.is_exporting]
+    assert {"cp_softcap.plan", "cp_softcap.plan_cache"} <= {m.__name__ for m in patched}
+    for module in patched:
+        monkeypatch.setattr(module, "is_exporting", lambda: True)
+
+
 def test_forced_non_torch_backend_is_refused_under_export(monkeypatch):
     import cp_softcap.api as api
-    import cp_softcap.plan as planning
-    monkeypatch.setattr(planning, "is_exporting", lambda: True)
     q, k, v, _ = saturating_qkv(1, 8, 8, 2, 2, 16, torch.float32, None, requires_grad=False)
+    cps.attention(q, k, v, backend="sdpa")      # the same call outside export: a warm plan cache
+    _exporting(monkeypatch)
     with pytest.raises(ValueError, match="backend='sdpa' cannot be exported"):
         cps.attention(q, k, v, backend="sdpa")
     torch.testing.assert_close(cps.attention(q, k, v, causal=False, backend="torch"),
