@@ -49,6 +49,14 @@ def test_refuses_padding_mask():
         shard_batch(batch(attention_mask=mask), 2, 0)
 
 
+def test_refuses_a_mask_that_is_not_2d_without_claiming_padding():
+    """An all-ones 4-D mask is refused (hf.mask_is_empty accepts only 2-D), and the message says
+    why: it has no zeros to blame."""
+    with pytest.raises(ValueError, match=r"attention_mask \(2, 1, 16, 16\) of 4 dimensions") as e:
+        shard_batch(batch(attention_mask=torch.ones(B, 1, S, S, dtype=torch.long)), 2, 0)
+    assert "zeros" not in str(e.value)
+
+
 @pytest.mark.parametrize("cp", [1, 2, 4])
 @pytest.mark.parametrize("flash_kwargs", [False, True])
 def test_packed_shards_put_back_give_the_stream(cp, flash_kwargs):

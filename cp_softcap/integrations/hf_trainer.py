@@ -200,8 +200,11 @@ def _check_mask(mask) -> None:
         mask = torch.as_tensor(mask)
     if mask_is_empty(mask):
         return
+    # zeros mean padding only in a 2-D mask; any other shape is refused even when all ones
+    what = ("with padding (zeros)" if mask.dim() == 2 else
+            f"of {mask.dim()} dimensions (only a 2-D all-ones mask is accepted)")
     raise ValueError(
-        f"the batch has an attention_mask {tuple(mask.shape)} with padding (zeros); context-parallel "
+        f"the batch has an attention_mask {tuple(mask.shape)} {what}; context-parallel "
         "attention applies only causal and sliding-window masks. Right padding needs no mask: give the "
         "pad positions labels -100 and drop attention_mask (e.g. remove it in the collator).")
 
