@@ -13,7 +13,12 @@ import torch.multiprocessing as mp
 from ranks import failure_text, spawn_ranks
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "cp_softcap"])
+# Besides torch and the library: the HF integration (it imports transformers, ~2.5 s of CPU per
+# rank) and torch.compile's machinery (the first compile in a fresh process spends ~3 s importing
+# it). Many ranks need one or the other; on CI's 2 cores those imports were a large share of the
+# distributed tests' time. A module that fails to import is skipped by the forkserver.
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "cp_softcap", "cp_softcap.integrations.hf",
+                             "torch._dynamo", "torch._inductor.compile_fx"])
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, env=None, backend: str = "gloo"):
