@@ -69,10 +69,8 @@ def assemble(entry: Dict, prefix: str, work: str) -> str:
                 tar.extract(member, tmp, **SAFE)
                 names.append(member.name)
         with zipfile.ZipFile(wheel, "w", zipfile.ZIP_STORED) as z:   # stored: pip unpacks it at once
-            for name in names:
-                path = os.path.join(tmp, name)
-                if os.path.isfile(path):
-                    z.write(path, name)
+            for name in names:                   # the wheel's entries, its folders too
+                z.write(os.path.join(tmp, name), name)
     os.remove(payload)
     return wheel
 
