@@ -19,7 +19,7 @@ README = ROOT / "README.md"
 PAGES = [README, ROOT / "examples" / "gemma2" / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 EXAMPLES = ("examples/minimal_cp.py", "examples/hf_cp.py", "examples/packed_cp.py")
 # programs with excerpts: the examples above (run here), and the Trainer and SFT examples, which
-# tests_dist/test_hf_trainer_dist.py and tests_dist/test_trl_sft_dist.py run under torchrun
+# tests_dist/test_hf_trainer_dist.py and tests_dist/test_trl_sft_dist.py run on 4 gloo ranks
 EXCERPTED = EXAMPLES + ("examples/gemma2/hf_trainer.py", "examples/gemma2/sft.py")
 DRY_RUNS = ("benchmarks/cp_multi.py", "benchmarks/cp_sim.py", "benchmarks/kernels.py")
 # bash blocks whose commands set up a venv or launch the Gemma2 job: CI runs the test command

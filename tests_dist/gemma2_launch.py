@@ -104,14 +104,14 @@ def run(nproc: int, script: str, args: Sequence[str], timeout: float, what: str)
 
 
 def reference_and_cp(workers: str, out: str, what: str):
-    """`workers ref out` in one process and `workers cp out` on 4 torchrun ranks, started
-    together; each run writes <name>.json and <name>.pt into `out`. Returns (the CP run's
-    output, loader(out))."""
-    ref = start([sys.executable, workers, "ref", out])
-    cp = start(torchrun_args(4) + [workers, "cp", out])
+    """The workers module's reference(out) in one process and its cp_runs(out) on 4 gloo ranks
+    with torchrun's environment, forked together by tests_dist/fork_launch.py after one import
+    of everything; each run writes <name>.json and <name>.pt into `out`. Returns (the output of
+    all of them, loader(out))."""
+    module = os.path.splitext(os.path.basename(workers))[0]
+    launch = start([sys.executable, os.path.join(ROOT, "tests_dist", "fork_launch.py"), module, out])
     # a hang guard, not a speed check: each run also compiles a model (torch_compile=True)
-    _, cp_out = finish([ref, cp], timeout=420, what=what)
-    return cp_out, loader(out)
+    return finish([launch], timeout=420, what=what)[0], loader(out)
 
 
 def loader(out: str):

@@ -5,6 +5,7 @@ IterableDataset) run two ways.
 
     python tests_dist/hf_trainer_workers.py ref OUT_DIR          # plain Trainer, eager float64, 1 process
     python -m torch.distributed.run --nproc-per-node 4 tests_dist/hf_trainer_workers.py cp OUT_DIR
+    python tests_dist/fork_launch.py hf_trainer_workers OUT_DIR     # both, forked (the tests)
 
 Each run writes OUT_DIR/<name>.json (logged train losses and grad norms, eval loss) and
 OUT_DIR/<name>.pt (final weights); the cp mode ends with the example's own main(). The data

@@ -4,6 +4,7 @@
 
     python tests_dist/sft_workers.py ref OUT_DIR        # plain SFTTrainer / Trainer, float64, 1 process
     python -m torch.distributed.run --nproc-per-node 4 tests_dist/sft_workers.py cp OUT_DIR
+    python tests_dist/fork_launch.py sft_workers OUT_DIR  # both, forked from one process (the tests)
 
 Each case writes OUT_DIR/<name>.json (per logged step: loss, grad norm, TRL's metrics or
 num_input_tokens_seen; eval metrics) and OUT_DIR/<name>.pt (final weights). The reference runs

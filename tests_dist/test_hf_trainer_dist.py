@@ -7,7 +7,8 @@ from a step-2 checkpoint, one reading an IterableDataset, and a packed one with
 Trainer(torch_compile=True); with Trainer's shuffling, CP peers
 read the same batches; negative controls (each rank's loss normalised by its own tokens, packed
 documents without their boundaries) do not match; the example runs. One single-process
-reference and one torchrun of 4 CPU ranks (tests_dist/hf_trainer_workers.py), started together.
+reference and 4 CPU ranks with torchrun's environment (tests_dist/hf_trainer_workers.py), forked
+together after one import of everything (tests_dist/fork_launch.py), once per session.
 """
 import json
 import os

@@ -1,7 +1,8 @@
 """TRL's SFTTrainer with context parallelism (cp_softcap.integrations.trl_sft.CPSFTTrainer) against
 a plain one-process SFTTrainer, and CPTrainer at dp 1 on data the batch does not divide against a
-one-process Trainer. One reference process and one torchrun of 4 CPU ranks
-(tests_dist/sft_workers.py), started together.
+one-process Trainer. One reference process and 4 CPU ranks with torchrun's environment
+(tests_dist/sft_workers.py), forked together after one import of everything
+(tests_dist/fork_launch.py), once per session.
 
 Matched to float rounding (1e-6 relative; measured <= 7e-7): per-step loss, grad norm, TRL's
 mean_token_accuracy, entropy and num_tokens, eval loss (and at dp 1 TRL's eval metrics), final
