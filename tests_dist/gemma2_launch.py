@@ -18,7 +18,6 @@ import proctree  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "examples", "gemma2", "train.py")
-WORKERS = os.path.join(ROOT, "tests_dist", "gemma2_workers.py")
 
 
 def free_port() -> int:

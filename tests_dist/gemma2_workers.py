@@ -1,4 +1,5 @@
-"""Workers for tests_dist/test_gemma2_*.py, run under torchrun (gloo, CPU):
+"""Workers for tests_dist/test_gemma2_cp.py (gloo, CPU). The test runs each mode's function on
+ranks forked by tests_dist/harness.py; by hand, under torchrun:
 
     python -m torch.distributed.run --nproc-per-node 4 tests_dist/gemma2_workers.py recipe OUT.json
     python -m torch.distributed.run --nproc-per-node 4 tests_dist/gemma2_workers.py hf OUT.json

@@ -1,12 +1,14 @@
-"""Gemma2 under context parallelism equals the full model on one process (torchrun, world 4,
-gloo): examples/gemma2's training step with cp = 1, 2, 4 and dp x cp = 2 x 2, for every comm type
-(ring, all_gather, a2a, a2a+p2p with a2a groups of 2, auto; all in one torchrun), and HF
+"""Gemma2 under context parallelism equals the full model on one process (world 4, gloo; the
+ranks of tests_dist/gemma2_workers.py forked by tests_dist/harness.py, whose forkserver has
+imported torch and transformers once): examples/gemma2's training step with cp = 1, 2, 4 and
+dp x cp = 2 x 2, for every comm type (ring, all_gather, a2a, a2a+p2p with a2a groups of 2, auto;
+all in one launch), and HF
 Gemma2ForCausalLM with attn_implementation="cp_softcap" under CP 2 and 4 (ring; a2a and a2a+p2p
 at CP 4). a2a needs the query heads divisible by the a2a group: both configs have 4 heads, which
 cp 2 and 4 divide. float32, a sequence longer than the sliding window, relative errors within
 1e-5. The example's DDP (gradients summed during backward) against a flat all-reduce after
 backward over a few optimizer steps: bitwise on 2 ranks, to float32 rounding on 4. Also (no
-torchrun) the train.py --comm / --a2a-size checks."""
+ranks) the train.py --comm / --a2a-size checks."""
 import json
 import os
 import sys
@@ -15,6 +17,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gemma2_launch as L  # noqa: E402
+from harness import run_ranks  # noqa: E402
 
 TOL = 1e-5
 
@@ -24,9 +27,15 @@ TOL = 1e-5
 COMMS = "ring,all_gather,a2a,a2a+p2p:2,auto"
 
 
+def _workers(rank, world, kind, *args):
+    """One rank of gemma2_workers.<kind>(*args) in the harness's process group."""
+    import gemma2_workers
+    getattr(gemma2_workers, kind)(*args)
+
+
 def _run(kind, tmp_path, timeout, *extra):
     out = tmp_path / f"{kind}.json"
-    L.run(4, L.WORKERS, [kind, str(out), *extra], timeout=timeout, what=f"gemma2 {kind} workers (world 4)")
+    run_ranks(_workers, 4, kind, str(out), *extra, timeout=timeout, env={"CP_SOFTCAP_TIMEOUT": "60"})
     errs = json.loads(out.read_text())
     print(json.dumps(errs, indent=1))
     return errs
@@ -81,7 +90,7 @@ def test_packed_step_and_ddp_at_world_2(tmp_path):
     aot_eager, fullgraph; one graph per kind of layer, no graph break) under selective AC. With
     small buckets, DDP had launched all but the embedding's bucket before backward produced the
     embedding's gradient, its last."""
-    L.run(2, L.WORKERS, ["world2", str(tmp_path)], timeout=200, what="gemma2 packed + ddp workers (world 2)")
+    run_ranks(_workers, 2, "world2", str(tmp_path), timeout=200, env={"CP_SOFTCAP_TIMEOUT": "60"})
     found = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("packed", "ddp")}
     print(json.dumps(found, indent=1))
 
