@@ -148,7 +148,9 @@ def _eager_dispatch():
     Python is excluded: functorch's among them, so vmap fails there ("NYI: querying
     is_contiguous inside of vmap"; flex's create_block_mask and its eager path use vmap), and a
     nested torch.compile (flex on CUDA) traces with fake tensors that cannot dispatch. Autograd
-    and autocast exclusions are the operator's own (it runs below both) and stay."""
+    and autocast exclusions stay as they are: autograd's are the operator's own (it runs below
+    autograd), and whether autocast is on inside changes nothing, since every library Function
+    turns autocast off around its kernels."""
     exclude = torch._C._dispatch_tls_local_exclude_set()
     keep = exclude
     for name in _MODE_EXCLUDED:
@@ -160,12 +162,13 @@ def _eager_dispatch():
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), keep)
 
 
-# the keys above Python that a dispatch mode excludes, other than autograd and autocast
+# the keys above Python that a dispatch mode excludes, other than autograd and autocast, among
+# those torch.DispatchKey names (a few more, e.g. the legacy Batched, have no Python name and
+# stay excluded: nothing the library calls uses them)
 _MODE_EXCLUDED = (
     "FuncTorchDynamicLayerFrontMode", "FuncTorchDynamicLayerBackMode", "FuncTorchBatched",
-    "FuncTorchVmapMode", "FuncTorchGradWrapper", "BatchedNestedTensor", "Batched", "VmapMode",
-    "Functionalize", "Conjugate", "Negative", "ZeroTensor", "ADInplaceOrView", "Tracer",
-    "DeferredInit", "PythonTLSSnapshot", "PreDispatch")
+    "FuncTorchVmapMode", "FuncTorchGradWrapper", "Functionalize", "Conjugate", "Negative",
+    "ZeroTensor", "ADInplaceOrView", "PythonTLSSnapshot", "PreDispatch")
 
 
 

@@ -130,7 +130,7 @@ class _Whole(NamedTuple):
 
 
 def one_device_with_sinks(q, k, v, plan, sinks: torch.Tensor):
-    """(out in q's dtype, lse) of a one-device plan (comm 'local', 'packed' or 'export') with
+    """(out in q's dtype, lse) of a one-device plan (path 'kernel', 'packed' or 'export') with
     attention sinks [Hq] (sinks.py); differentiable in q, k, v and sinks."""
     spec = plan.spec
     if plan.path == "export":       # plain ops: autograd differentiates the sink too

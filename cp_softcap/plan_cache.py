@@ -25,7 +25,7 @@ from .sharding import layout_for
 
 
 def weak(groups: tuple) -> tuple:
-    """Groups as weak references, for the caches' keys and values (see _GroupRef)."""
+    """Groups as weak references, for the caches' keys and values (see plan._GroupRef)."""
     return tuple(weakref.ref(g) if isinstance(g, _PROCESS_GROUP) else g for g in groups)
 
 

@@ -4,7 +4,7 @@ Each function reads its variable at call time (so a test or a launcher may set i
 raises ValueError naming the variable, the value and what is valid. docs/settings.md lists them
 in one table (tests/test_settings.py holds the two in step).
 
-A warm call does not come here: plan.py keys its caches on the raw strings of the variables
+A warm call does not come here: plan_cache.py keys the plan caches on the raw strings of the variables
 read per call (PLANNING: what a plan depends on; PER_CALL: what each call reads) and asks the
 functions below only for a value it has not seen.
 """

@@ -91,16 +91,16 @@ def a2a_forward(ctx, q, k, v, plan, attend, sinks=None):
     """Re-shard by heads, attend(qh, kh, vh, plan) -> (out, lse), re-shard back. sinks [Hq]
     (cp/sinks.py): this rank's query heads' sinks join the rows' final (out, lse) here, once."""
     heads = plan.heads
-    seq = heads.zigzag_order
-    qh = seq_to_heads(q, heads.group, heads.q_index, "a2a.fwd.q", seq)
-    kh = seq_to_heads(k, heads.group, heads.kv_index, "a2a.fwd.k", seq)
-    vh = seq_to_heads(v, heads.group, heads.kv_index, "a2a.fwd.v", seq)
+    zigzag = heads.zigzag_order
+    qh = seq_to_heads(q, heads.group, heads.q_index, "a2a.fwd.q", zigzag)
+    kh = seq_to_heads(k, heads.group, heads.kv_index, "a2a.fwd.k", zigzag)
+    vh = seq_to_heads(v, heads.group, heads.kv_index, "a2a.fwd.v", zigzag)
     out, lse = attend(qh, kh, vh, plan)
     if sinks is not None:
         out, lse = apply_sinks(out, lse, _my_sinks(sinks, heads), plan.grad_dtype)
     ctx.save_for_backward(qh, kh, vh, out, lse, *(() if sinks is None else (sinks,)))
     ctx.plan = plan
-    return heads_to_seq(out.to(q.dtype), heads.group, "a2a.fwd.out", seq)
+    return heads_to_seq(out.to(q.dtype), heads.group, "a2a.fwd.out", zigzag)
 
 
 def _my_sinks(sinks: torch.Tensor, heads) -> torch.Tensor:
@@ -117,18 +117,18 @@ def a2a_backward(ctx, dout, attend_backward):
     qh, kh, vh, out, lse = saved[:5]
     plan = ctx.plan
     heads, spec = plan.heads, plan.spec
-    seq = heads.zigzag_order
-    douth = seq_to_heads(dout, heads.group, heads.q_index, "a2a.bwd.dout", seq)
+    zigzag = heads.zigzag_order
+    douth = seq_to_heads(dout, heads.group, heads.q_index, "a2a.bwd.dout", zigzag)
     if len(saved) == 6:                 # sinks: the same message on every rank of the group
         sinks = saved[5]
         rows = sink_rows(douth, out, lse, _my_sinks(sinks, heads))        # [B, h, S_group]
         rows = heads_to_seq_sum(rows.transpose(1, 2).unsqueeze(-1).contiguous(), heads.group,
-                                heads.q_index, spec.num_heads, "a2a.bwd.dsinks", seq)
+                                heads.q_index, spec.num_heads, "a2a.bwd.dsinks", zigzag)
         ctx.dsinks = sink_grad(rows.squeeze(-1).transpose(1, 2), sinks)
     dq, dk, dv = attend_backward(douth, qh, kh, vh, out, lse, plan)
-    dq = heads_to_seq_sum(dq, heads.group, heads.q_index, spec.num_heads, "a2a.bwd.dq", seq)
-    dk = heads_to_seq_sum(dk, heads.group, heads.kv_index, spec.num_kv_heads, "a2a.bwd.dk", seq)
-    dv = heads_to_seq_sum(dv, heads.group, heads.kv_index, spec.num_kv_heads, "a2a.bwd.dv", seq)
+    dq = heads_to_seq_sum(dq, heads.group, heads.q_index, spec.num_heads, "a2a.bwd.dq", zigzag)
+    dk = heads_to_seq_sum(dk, heads.group, heads.kv_index, spec.num_kv_heads, "a2a.bwd.dk", zigzag)
+    dv = heads_to_seq_sum(dv, heads.group, heads.kv_index, spec.num_kv_heads, "a2a.bwd.dv", zigzag)
     return dq.to(spec.dtype), dk.to(spec.dtype), dv.to(spec.dtype), None
 
 
