@@ -3,7 +3,7 @@ reads replaced: each marker skips with its own reason, and a test runs where eve
 import pytest
 import torch
 import torch.distributed
-from conftest import _kernel_reason, gpu_skip_reason
+from markers import _kernel_reason, gpu_skip_reason
 
 
 class _Item:
