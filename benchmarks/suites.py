@@ -133,7 +133,7 @@ SUITES: Dict[str, List[Step]] = {
     "models": [
         Step("comm_bytes", "benchmarks.comm_bytes", gpus=0, quick=["--quick"], dry=["--quick"],
              about="bytes sent per rank per layer, counted on 8 gloo ranks (stand-in kernel)"),
-        Step("ring_cpu", "benchmarks.ring_cpu", gpus=0, quick=["--quick"], dry=["--quick"],
+        Step("ring_cpu", "benchmarks.ring_cpu", gpus=0, quick=["--quick"], dry=["--quick", "--cp", "2"],
              about="the ring's framework overhead and forward peak memory on CPU"),
         Step("scaling_model", "benchmarks.scaling_model", gpus=0, quick=["--quick"],
              dry=["--quick"], about="a model of 8-128 GPUs from the one-GPU measurements"),

@@ -23,7 +23,7 @@ CASES = [["--ac", "none"], ["--ac", "none", "--comm", "a2a"],
 @pytest.mark.timeout(600)
 def test_plan_within_15_percent_of_measured_peak(tmp_path):
     for i, case in enumerate(CASES):
-        L.run(2, MEMCHECK, ["--seq-len", "1024", "--batch-size", "4", "--no-progress", *case,
+        L.run(2, MEMCHECK, ["--seq-len", "1024", "--batch-size", "4", "--no-progress", "--no-timing", *case,
                             "--out-dir", str(tmp_path), "--tag", str(i)], 140,
               f"memcheck {' '.join(case)}")
     rows = [json.load(open(tmp_path / f"memcheck_{i}.json"))["records"][0] for i in range(len(CASES))]

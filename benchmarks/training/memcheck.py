@@ -41,6 +41,8 @@ def _extra(argv):
     p.add_argument("--layers-ac", help="comma-separated per-layer AC, repeated over the layers")
     p.add_argument("--loss-only", action="store_true")
     p.add_argument("--ac-timing", action="store_true", help="median step time of each AC choice")
+    p.add_argument("--no-timing", action="store_true",
+                   help="the peak only: skip the two timed steps after it (step_s is then None)")
     p.add_argument("--tokens", type=int, default=1024, help="--loss-only: tokens (hidden 256, vocab 256000)")
     p.add_argument("--out-dir", help="write memcheck[_TAG].json here (rank 0)")
     p.add_argument("--tag", default="", help="suffix of the output name")
@@ -65,7 +67,7 @@ def step_peak(argv) -> dict:
     base = tensor_bytes(list(model.parameters()) + [t for s in opt.state.values() for t in s.values()])
     peak = peak_bytes(lambda: train.train_step(model, opt, tokens, 1, args, cfg, d, autocast), d.device, base)
     times = []
-    for step in (2, 3):                     # unprofiled, after the warm-up steps
+    for step in () if extra.no_timing else (2, 3):      # unprofiled, after the warm-up steps
         t0 = time.perf_counter()
         train.train_step(model, opt, tokens, step, args, cfg, d, autocast)
         times.append(time.perf_counter() - t0)
@@ -75,7 +77,7 @@ def step_peak(argv) -> dict:
     dist.destroy_process_group()
     return {"flags": " ".join(rest), "layers_ac": extra.layers_ac, "vocab": cfg.vocab_size, "set": extra.set,
             "measured_mib": worst.item() / 2**20, "estimated_mib": est / 2**20,
-            "estimate_over_measured": est / worst.item(), "step_s": min(times)}
+            "estimate_over_measured": est / worst.item(), "step_s": min(times) if times else None}
 
 
 def ac_timing(argv, rounds: int = 7) -> dict:

@@ -7,7 +7,6 @@ recipe) is step.py.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from typing import Optional
 
@@ -63,12 +62,6 @@ class Dist:
         return torch.device(self.mesh.device_type)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def pick_device(local_rank: int, local_world: int, want: str = "auto"):
     """(device, backend): NCCL on this rank's GPU when every local rank can have one, else gloo on
     CPU. want: "auto" | "cpu" | "cuda"."""
@@ -87,14 +80,16 @@ def pick_device(local_rank: int, local_world: int, want: str = "auto"):
 def init(cp: Optional[int] = None, device: str = "auto") -> Dist:
     """Initialise torch.distributed from torchrun's env (or as a 1-rank world when run plainly)
     and build the dp x cp mesh. cp None = all ranks do context parallelism (dp = 1)."""
-    if "RANK" not in os.environ:      # plain `python train.py`: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    alone = "RANK" not in os.environ      # plain `python train.py`: a world of one
+    if alone:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     dev, backend = pick_device(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), device)
     if not dist.is_initialized():
-        dist.init_process_group(backend, device_id=dev if backend == "nccl" else None,
-                                **_elastic_store_kwargs())
+        # a world of one meets in memory: a free TCP port looked up first can be taken by
+        # another process before the store binds it (seen with parallel test runs)
+        store = dict(store=dist.HashStore(), rank=0, world_size=1) if alone else _elastic_store_kwargs()
+        dist.init_process_group(backend, device_id=dev if backend == "nccl" else None, **store)
     return make_dist(cp, dev)
 
 
