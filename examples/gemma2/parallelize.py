@@ -16,8 +16,8 @@ AC_MODES = ("none", "full", "selective")
 def apply_ac(model, mode: str) -> None:
     """--ac: "none"; "full" recomputes every decoder layer in backward (CP attention and its
     collectives included); "selective" recomputes the feed-forward half of every layer and
-    keeps attention's activations (README, "Activation checkpointing", has the measurement
-    behind this choice)."""
+    keeps attention's activations (examples/gemma2/README.md, "Activation checkpointing", has
+    the measurement behind this choice)."""
     if mode not in AC_MODES:
         raise ValueError(f"--ac {mode!r}: choose one of {', '.join(AC_MODES)}")
     per_layer = {"none": "none", "full": "full", "selective": "mlp"}[mode]
