@@ -85,10 +85,15 @@ def test_one_device_compiled_block(backend, compiler, monkeypatch):
     run = torch.compile(compiled, fullgraph=True, backend=compiler)
     got = _steps(compiled, run, seq)
     want = _steps(eager, eager, seq)
+    # bitwise where the same kernels run in the same order; fa2's and flex's backward add dQ
+    # with atomics unless deterministic algorithms are on, so their gradients differ between
+    # ANY two runs in the last bits (measured on an H100: 2.3e-10 for fa2): outputs bitwise,
+    # gradients within the inductor bound below
+    exact_grads = backend in ("fa4", "auto")
     for (g, peak_c), (w, peak_e) in zip(got, want):
-        for a, b in zip(g, w):
+        for i, (a, b) in enumerate(zip(g, w)):
             assert torch.isfinite(a).all()
-            if compiler == "aot_eager":
+            if compiler == "aot_eager" and (i == 0 or exact_grads):
                 assert torch.equal(a, b), (a.float() - b.float()).abs().max().item()
             else:
                 rel = ((a.float() - b.float()).norm() / b.float().norm()).item()

@@ -8,6 +8,7 @@ The process handling is ranks.spawn_ranks (tests_dist/ranks.py).
 """
 from __future__ import annotations
 
+import torch
 import torch.multiprocessing as mp
 
 from ranks import failure_text, spawn_ranks
@@ -17,8 +18,12 @@ _CTX = mp.get_context("forkserver")
 # rank) and torch.compile's machinery (the first compile in a fresh process spends ~3 s importing
 # it). Many ranks need one or the other; on CI's 2 cores those imports were a large share of the
 # distributed tests' time. A module that fails to import is skipped by the forkserver.
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "cp_softcap", "cp_softcap.integrations.hf",
-                             "torch._dynamo", "torch._inductor.compile_fx"])
+# Not on a CUDA machine: importing torch.compile's machinery there initialises CUDA in the
+# forkserver, and its forked ranks then cannot use the GPU ("Cannot re-initialize CUDA in
+# forked subprocess"; seen on an H100).
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "cp_softcap"] + (
+    [] if torch.cuda.is_available() else
+    ["cp_softcap.integrations.hf", "torch._dynamo", "torch._inductor.compile_fx"]))
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, env=None, backend: str = "gloo"):
