@@ -147,10 +147,12 @@ def _eager_dispatch():
     operators' outputs do not alias their inputs), and inside a mode every dispatch key above
     Python is excluded: functorch's among them, so vmap fails there ("NYI: querying
     is_contiguous inside of vmap"; flex's create_block_mask and its eager path use vmap), and a
-    nested torch.compile (flex on CUDA) traces with fake tensors that cannot dispatch. Autograd
-    and autocast exclusions stay as they are: autograd's are the operator's own (it runs below
-    autograd), and whether autocast is on inside changes nothing, since every library Function
-    turns autocast off around its kernels."""
+    nested torch.compile (flex on CUDA) traces with fake tensors that cannot dispatch. And an
+    operator always runs below autograd: inside it no op records a graph, even under
+    enable_grad, so a kernel whose backward recomputes its forward and differentiates it (flex)
+    fails ("element 0 of tensors does not require grad"); autograd is restored too (the
+    operators' own outputs are fresh tensors outside any graph). Autocast's exclusions stay:
+    every library Function turns autocast off around its kernels anyway."""
     exclude = torch._C._dispatch_tls_local_exclude_set()
     keep = exclude
     for name in _MODE_EXCLUDED:
@@ -162,10 +164,11 @@ def _eager_dispatch():
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), keep)
 
 
-# the keys above Python that a dispatch mode excludes, other than autograd and autocast, among
-# those torch.DispatchKey names (a few more, e.g. the legacy Batched, have no Python name and
+# autograd's keys (an operator's implementation runs below them), and the keys above Python
+# that a dispatch mode excludes other than autocast, among those torch.DispatchKey names (a few more, e.g. the legacy Batched, have no Python name and
 # stay excluded: nothing the library calls uses them)
 _MODE_EXCLUDED = (
+    "AutogradFunctionality", "AutogradOther", "AutogradNestedTensor",
     "FuncTorchDynamicLayerFrontMode", "FuncTorchDynamicLayerBackMode", "FuncTorchBatched",
     "FuncTorchVmapMode", "FuncTorchGradWrapper", "Functionalize", "Conjugate", "Negative",
     "ZeroTensor", "ADInplaceOrView", "PythonTLSSnapshot", "PreDispatch")

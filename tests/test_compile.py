@@ -175,6 +175,28 @@ def test_kernel_instance_as_backend():
     assert torch.equal(out, ref) and torch.equal(k.grad, k2.grad)
 
 
+def test_a_kernel_whose_backward_differentiates_compiles():
+    """flex's backward recomputes its forward and differentiates it with autograd; inside the
+    backward operator (which runs below autograd) that needs autograd restored."""
+    from cp_softcap.kernels import get_kernel
+
+    class Recomputing(type(get_kernel("torch"))):
+        def backward(self, dout, q, *args, **kwargs):
+            y = q.detach().requires_grad_()
+            with torch.enable_grad():
+                (g,) = torch.autograd.grad((y.transpose(1, 2) * 2).sum(), y)
+            assert torch.equal(g, torch.full_like(q, 2.0))
+            return super().backward(dout, q, *args, **kwargs)
+    layer = cps.CPAttention(None, softcap=2.0, backend=Recomputing())
+    fn = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    q, k, v = _inputs(7)
+    q2, k2, v2 = _inputs(7)
+    out, ref = fn(q, k, v), layer(q2, k2, v2)
+    out.sum().backward()
+    ref.sum().backward()
+    assert torch.equal(out, ref) and torch.equal(q.grad, q2.grad) and torch.equal(k.grad, k2.grad)
+
+
 def test_unregistered_kernel_instance_is_refused():
     from cp_softcap.kernels import get_kernel
     kernel = type(get_kernel("torch"))()
