@@ -165,14 +165,20 @@ def test_kernel_instance_as_backend():
     """A Kernel instance (not a name) reaches the operator through a key CPAttention registers."""
     from cp_softcap.kernels import get_kernel
     kernel = type(get_kernel("torch"))()           # a fresh instance, never seen before
-    layer = cps.CPAttention(None, softcap=2.0, backend=kernel)
+    _assert_layer_compiles_bitwise(cps.CPAttention(None, softcap=2.0, backend=kernel), seed=6)
+
+
+def _assert_layer_compiles_bitwise(layer, seed):
+    """The layer compiled (aot_eager, fullgraph, first call compiled) and eager on the same
+    inputs: output and every input gradient bitwise equal."""
     fn = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    q, k, v = _inputs(6)
-    q2, k2, v2 = _inputs(6)
-    out, ref = fn(q, k, v), layer(q2, k2, v2)
+    compiled_in, eager_in = _inputs(seed), _inputs(seed)
+    out, ref = fn(*compiled_in), layer(*eager_in)
     out.sum().backward()
     ref.sum().backward()
-    assert torch.equal(out, ref) and torch.equal(k.grad, k2.grad)
+    assert torch.equal(out, ref)
+    for a, b in zip(compiled_in, eager_in):
+        assert torch.equal(a.grad, b.grad)
 
 
 def test_a_kernel_whose_backward_differentiates_compiles():
@@ -187,14 +193,7 @@ def test_a_kernel_whose_backward_differentiates_compiles():
                 (g,) = torch.autograd.grad((y.transpose(1, 2) * 2).sum(), y)
             assert torch.equal(g, torch.full_like(q, 2.0))
             return super().backward(dout, q, *args, **kwargs)
-    layer = cps.CPAttention(None, softcap=2.0, backend=Recomputing())
-    fn = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    q, k, v = _inputs(7)
-    q2, k2, v2 = _inputs(7)
-    out, ref = fn(q, k, v), layer(q2, k2, v2)
-    out.sum().backward()
-    ref.sum().backward()
-    assert torch.equal(out, ref) and torch.equal(q.grad, q2.grad) and torch.equal(k.grad, k2.grad)
+    _assert_layer_compiles_bitwise(cps.CPAttention(None, softcap=2.0, backend=Recomputing()), seed=7)
 
 
 def test_unregistered_kernel_instance_is_refused():
