@@ -155,9 +155,8 @@ def _eager_dispatch():
     every library Function turns autocast off around its kernels anyway."""
     exclude = torch._C._dispatch_tls_local_exclude_set()
     keep = exclude
-    for name in _MODE_EXCLUDED:
-        key = getattr(torch._C.DispatchKey, name, None)
-        if key is not None and exclude.has(key):
+    for key in _RESTORED_KEYS:
+        if exclude.has(key):
             keep = keep.remove(key)
     if keep == exclude:
         return contextlib.nullcontext()
@@ -165,14 +164,16 @@ def _eager_dispatch():
 
 
 # autograd's keys (an operator's implementation runs below them), and the keys above Python
-# that a dispatch mode excludes other than autocast, among those torch.DispatchKey names (a few more, e.g. the legacy Batched, have no Python name and
-# stay excluded: nothing the library calls uses them)
-_MODE_EXCLUDED = (
-    "AutogradFunctionality", "AutogradOther", "AutogradNestedTensor",
-    "FuncTorchDynamicLayerFrontMode", "FuncTorchDynamicLayerBackMode", "FuncTorchBatched",
-    "FuncTorchVmapMode", "FuncTorchGradWrapper", "Functionalize", "Conjugate", "Negative",
-    "ZeroTensor", "ADInplaceOrView", "PythonTLSSnapshot", "PreDispatch")
-
+# that a dispatch mode excludes other than autocast, those this torch names (a few more, e.g.
+# the legacy Batched, have no Python name and stay excluded: nothing the library calls uses
+# them); resolved once, not per call
+_RESTORED_KEYS = tuple(
+    key for key in (getattr(torch._C.DispatchKey, name, None) for name in (
+        "AutogradFunctionality", "AutogradOther", "AutogradNestedTensor",
+        "FuncTorchDynamicLayerFrontMode", "FuncTorchDynamicLayerBackMode", "FuncTorchBatched",
+        "FuncTorchVmapMode", "FuncTorchGradWrapper", "Functionalize", "Conjugate", "Negative",
+        "ZeroTensor", "ADInplaceOrView", "PythonTLSSnapshot", "PreDispatch"))
+    if key is not None)
 
 
 @torch.library.custom_op("cp_softcap::attention", mutates_args=())
