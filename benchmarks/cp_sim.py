@@ -313,14 +313,8 @@ class AllGatherRankSim:
         self.side = torch.cuda.Stream() if dev == "cuda" and how == "streams" else None
 
     def _keys(self, k0, k1):
-        (ka, va), (kb, vb) = self.halves
-        m = self.mid
-        if k1 <= m:
-            return ka[:, k0:k1], va[:, k0:k1]
-        if k0 >= m:
-            return kb[:, k0 - m:k1 - m], vb[:, k0 - m:k1 - m]
-        return (torch.cat([ka[:, k0:], kb[:, :k1 - m]], dim=1),
-                torch.cat([va[:, k0:], vb[:, :k1 - m]], dim=1))
+        from cp_softcap.cp.all_gather import key_range
+        return key_range(self.halves.__getitem__, self.mid, k0, k1)
 
     def _one_buffer(self):
         parts = [self._keys(k0, k1) for _, _, k0, k1, _ in self.calls]

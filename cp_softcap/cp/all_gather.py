@@ -55,16 +55,22 @@ class _Gathered:
 
     def keys(self, k0: int, k1: int):
         """(K, V) views/copies of global key range [k0, k1)."""
-        mid = self.cp * self.half
-        if k1 <= mid:
-            k, v = self._half(0)
-            return k[:, k0:k1], v[:, k0:k1]
-        if k0 >= mid:
-            k, v = self._half(1)
-            return k[:, k0 - mid:k1 - mid], v[:, k0 - mid:k1 - mid]
-        (ka, va), (kb, vb) = self._half(0), self._half(1)
-        return (torch.cat([ka[:, k0:], kb[:, :k1 - mid]], dim=1),
-                torch.cat([va[:, k0:], vb[:, :k1 - mid]], dim=1))
+        return key_range(self._half, self.cp * self.half, k0, k1)
+
+
+def key_range(half, mid: int, k0: int, k1: int):
+    """(K, V) of global keys [k0, k1) from the two gathered halves, half(0) holding keys
+    [0, mid) and half(1) the rest (each (K, V), asked for only when needed): views of one half,
+    or a concatenation of both where the range straddles mid."""
+    if k1 <= mid:
+        k, v = half(0)
+        return k[:, k0:k1], v[:, k0:k1]
+    if k0 >= mid:
+        k, v = half(1)
+        return k[:, k0 - mid:k1 - mid], v[:, k0 - mid:k1 - mid]
+    (ka, va), (kb, vb) = half(0), half(1)
+    return (torch.cat([ka[:, k0:], kb[:, :k1 - mid]], dim=1),
+            torch.cat([va[:, k0:], vb[:, :k1 - mid]], dim=1))
 
 
 def _chunk_calls(cp: int, rank: int, chunk: int, window):
