@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cp_softcap.sharding import fits_zigzag
+from gemma2.extras import RankZeroParser   # usage errors printed once, by rank 0
 
 
 def cp_size(world: int, dp: int, seq_len: int) -> int:
@@ -28,20 +29,12 @@ def cp_size(world: int, dp: int, seq_len: int) -> int:
     return cp
 
 
-def usage_error(p: argparse.ArgumentParser, message: str) -> None:
-    """Usage error, status 2. Under torchrun rank 0 alone prints it; the other ranks exit 0
-    quietly, so that torchrun cannot stop rank 0 before it has printed (its status 2 fails the job)."""
-    if os.environ.get("RANK", "0") != "0":
-        sys.exit(0)
-    p.error(message)
-
-
 def parse_args(doc: str, argv, nproc: int, *, dp: Optional[int] = None, seq_len: int = 0,
                check: Optional[Callable[[int], None]] = None) -> argparse.Namespace:
     """--nproc (and --dp when dp is given), checked before any process starts: at least one
     rank to spawn, dp dividing the ranks with 2 * cp dividing seq_len, and check(world) (raises
     ValueError) for what the example itself needs. world: torchrun's WORLD_SIZE, else --nproc."""
-    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p = RankZeroParser(description=doc.split("\n")[0])
     p.add_argument("--nproc", type=int, default=nproc,
                    help=f"ranks to spawn when not under torchrun (default {nproc})")
     if dp is not None:
@@ -51,7 +44,7 @@ def parse_args(doc: str, argv, nproc: int, *, dp: Optional[int] = None, seq_len:
     if "RANK" in os.environ:
         world = int(os.environ.get("WORLD_SIZE", 1))
     elif a.nproc < 1:
-        usage_error(p, f"--nproc must be >= 1 (the ranks to spawn), got {a.nproc}")
+        p.error(f"--nproc must be >= 1 (the ranks to spawn), got {a.nproc}")
     else:
         world = a.nproc
     try:
@@ -60,7 +53,7 @@ def parse_args(doc: str, argv, nproc: int, *, dp: Optional[int] = None, seq_len:
         if check is not None:
             check(world)
     except ValueError as e:
-        usage_error(p, str(e))
+        p.error(str(e))
     return a
 
 

@@ -1,17 +1,39 @@
-"""The optional packages an entry script needs, checked before it imports them: a missing one
-ends the run with one line naming the extra that installs it, instead of an ImportError
-traceback from every rank. Standard library only (it runs before the script's own imports).
+"""What every example entry script needs before its own imports (standard library only):
 
-Under torchrun rank 0 prints the line and exits 2; the other ranks exit 0 without a word (as
-flags.py does: torchrun stops the remaining workers as soon as one fails, which could kill
-rank 0 before it has printed). torchrun then adds its own summary of rank 0's exit status.
+- `usage_exit` and `RankZeroParser`: a usage error ends the run with one message. Under torchrun
+  rank 0 prints it and exits 2; the other ranks exit 0 without a word, since torchrun stops the
+  remaining workers as soon as one fails, which could kill rank 0 before it has printed.
+  torchrun then adds its own summary of rank 0's exit status.
+- `require`: the optional packages a script needs, checked before it imports them: a missing one
+  is one line naming the extra that installs it, instead of an ImportError traceback per rank.
 """
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import importlib.util
 import os
 import sys
+
+def is_lead() -> bool:
+    """Rank 0 under torchrun, or a process started without it."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def usage_exit(text: str) -> None:
+    """Rank 0 prints `text` to stderr and exits 2; the other ranks exit 0 without a word."""
+    if not is_lead():
+        sys.exit(0)
+    print(text, file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+class RankZeroParser(argparse.ArgumentParser):
+    """argparse whose usage errors go through usage_exit (one message per job, not one per rank)."""
+
+    def error(self, message):
+        usage_exit(f"{self.format_usage()}{self.prog}: error: {message}")
+
 
 SFT = ("transformers", "accelerate", "trl", "datasets")    # pyproject.toml's [sft] extra
 
@@ -39,9 +61,5 @@ def require(script: str, modules=SFT, extra: str = "sft") -> None:
     found = problems(modules)
     if not found:
         return
-    if os.environ.get("RANK", "0") != "0":
-        sys.exit(0)
-    print(f"{script}: error: needs {', '.join(found)}, not installed here; install the "
-          f"[{extra}] extra from the repository root: pip install -e \".[{extra}]\"",
-          file=sys.stderr, flush=True)
-    sys.exit(2)
+    usage_exit(f"{script}: error: needs {', '.join(found)}, not installed here; install the "
+               f"[{extra}] extra from the repository root: pip install -e \".[{extra}]\"")

@@ -1,9 +1,7 @@
 """Command-line flags of train.py, checked in full before any process group or model exists.
 
-Every rank parses the same argv, so every rank reaches the same verdict. Rank 0 (or a plain
-run) prints it and exits with status 2; the other ranks exit quietly with status 0, because
-torchrun stops the remaining workers as soon as one fails, which could kill rank 0 before it
-has printed.
+Every rank parses the same argv, so every rank reaches the same verdict, reported once by
+extras.usage_exit (rank 0 prints it and exits 2).
 """
 from __future__ import annotations
 
@@ -11,12 +9,12 @@ import argparse
 import math
 import os
 import shutil
-import sys
 
 from cp_softcap.sharding import fits_zigzag
 
 from .config import CONFIGS, from_hf_json, get_config
 from .data import ByteTokenizer, check_data
+from .extras import usage_exit
 from .fused import CHOICES, choose
 from .model import weight_files
 from .parallel import COMMS, check_comm
@@ -25,16 +23,9 @@ from .parallelize import AC_MODES
 DTYPES = ("auto", "float32", "bfloat16")
 
 
-def is_lead() -> bool:
-    return os.environ.get("RANK", "0") == "0"
-
-
 def fail(message: str, usage: str = "") -> None:
-    """Rank 0 prints `message` and exits 2; the other ranks exit 0 without a word."""
-    if not is_lead():
-        sys.exit(0)
-    print(f"{usage}train.py: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    """Rank 0 prints `message` (after `usage`) and exits 2; the other ranks exit 0 without a word."""
+    usage_exit(f"{usage}train.py: error: {message}")
 
 
 class Parser(argparse.ArgumentParser):

@@ -21,8 +21,10 @@ import os
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from extras import RankZeroParser, require  # noqa: E402  (examples/gemma2/extras.py: standard library only)
+
 if __name__ == "__main__":       # before the imports that need them: one line naming the extra
-    from extras import require   # examples/gemma2/extras.py
     require("hf_trainer.py", ("transformers", "accelerate"))
 
 import torch  # noqa: E402
@@ -80,18 +82,9 @@ def training_args(output_dir: str, **overrides) -> transformers.TrainingArgument
 HEADS = 4                                 # tiny_gemma2's query heads
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        """Usage errors once: under torchrun rank 0 prints and exits 2, the other ranks exit 0
-        quietly (so that torchrun cannot stop rank 0 before it has printed)."""
-        if os.environ.get("RANK", "0") != "0":
-            sys.exit(0)
-        super().error(message)
-
-
 def parse(argv=None) -> argparse.Namespace:
     """The flags, checked against torchrun's WORLD_SIZE before any process group exists."""
-    p = _Parser(description=__doc__.split("\n")[0])
+    p = RankZeroParser(description=__doc__.split("\n")[0])
     p.add_argument("--cp", type=int, default=2, help="CP size, dividing the ranks; dp = ranks / cp (default 2)")
     p.add_argument("--comm", default="ring", choices=("ring", "all_gather", "a2a", "auto"),
                    help="CP algorithm (default ring); a2a needs cp to divide the 4 query heads. Not "

@@ -28,7 +28,7 @@ if __name__ == "__main__":       # before the imports that need them: one line n
 
 import torch  # noqa: E402
 
-from hf_trainer import HEADS, _Parser, tiny_gemma2  # noqa: E402  (examples/gemma2/hf_trainer.py)
+from hf_trainer import HEADS, RankZeroParser, tiny_gemma2  # noqa: E402  (examples/gemma2/hf_trainer.py)
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<user>", "<assistant>", "<end>"]
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
@@ -87,7 +87,7 @@ def sft_config(output_dir: str, **overrides):
 
 def parse(argv=None) -> argparse.Namespace:
     """The flags, checked against torchrun's WORLD_SIZE before any process group exists."""
-    p = _Parser(description=__doc__.split("\n")[0])
+    p = RankZeroParser(description=__doc__.split("\n")[0])
     p.add_argument("--cp", type=int, default=2, help="CP size, dividing the ranks; dp = ranks / cp (default 2)")
     p.add_argument("--comm", default="ring", choices=("ring", "all_gather", "a2a", "auto"),
                    help="CP algorithm (default ring); a2a needs cp to divide the model's query heads")

@@ -29,8 +29,9 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))       # examples/, for the gemma2 example's toy data
+from gemma2.extras import RankZeroParser, require  # noqa: E402  (standard library only)
+
 if __name__ == "__main__":       # before the imports that need them: one line naming the extra
-    from gemma2.extras import require
     require("sft.py")
 
 import torch  # noqa: E402
@@ -40,18 +41,9 @@ from families import FAMILIES, tiny_model  # noqa: E402  (examples/hf/families.p
 COMMS = ("ring", "all_gather", "a2a", "auto")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        """Usage errors once: under torchrun rank 0 prints and exits 2, the other ranks exit 0
-        quietly (so that torchrun cannot stop rank 0 before it has printed)."""
-        if os.environ.get("RANK", "0") != "0":
-            sys.exit(0)
-        super().error(message)
-
-
 def parse(argv=None) -> argparse.Namespace:
     """The flags, checked against torchrun's WORLD_SIZE before any process group exists."""
-    p = _Parser(description=__doc__.split("\n")[0])
+    p = RankZeroParser(description=__doc__.split("\n")[0])
     p.add_argument("--family", choices=FAMILIES, default="gemma2",
                    help="the tiny random model to fine-tune (default gemma2); ignored with --model-dir")
     p.add_argument("--model-dir", help="a local checkpoint directory (config, safetensors, tokenizer with "
