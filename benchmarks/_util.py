@@ -143,27 +143,6 @@ def table(rows: List[List[str]]) -> str:
 
 # --------------------------------------------------------------------------- gloo ranks on CPU
 
-def _rank_entry(fn, rank, world, init_file, results, args, env, pg_timeout, pin_cores):
-    import torch.distributed as dist
-    os.environ.update(env)
-    torch.set_num_threads(1)
-    if pin_cores:       # before init_process_group, so gloo's threads inherit the pinning
-        try:
-            cores = sorted(os.sched_getaffinity(0))
-            os.sched_setaffinity(0, {cores[rank % len(cores)]})
-        except (AttributeError, OSError):
-            pass
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=pg_timeout))
-        results.put((rank, "ok", fn(rank, world, *args)))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def launch_ranks(fn: Callable, world: int, args: Sequence = (), env: Optional[Mapping[str, str]] = None,
                  timeout: float = 900.0, *, pg_timeout: float = 600.0, pin_cores: bool = False) -> List:
     """Run fn(rank, world, *args) on `world` spawned processes joined by gloo (file rendezvous in
@@ -178,61 +157,16 @@ def launch_ranks(fn: Callable, world: int, args: Sequence = (), env: Optional[Ma
     Raises RuntimeError, after every process is gone: with the traceback of the first rank that
     raised, the exit code of a rank that died without reporting, or the ranks still running
     after `timeout` seconds."""
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    env = dict(env or {})
-    out: Dict[int, tuple] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        results = ctx.Queue()
-        procs = [ctx.Process(target=_rank_entry, daemon=True,
-                             args=(fn, r, world, os.path.join(tmp, "rdzv"), results, tuple(args),
-                                   env, pg_timeout, pin_cores)) for r in range(world)]
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            for p in procs:
-                p.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        end = time.monotonic() + timeout
-        try:
-            while len(out) < world and time.monotonic() < end:
-                try:
-                    rank, status, value = results.get(timeout=1.0)
-                    out[rank] = (status, value)
-                    if status != "ok":
-                        break
-                except queue.Empty:
-                    dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
-                    if dead:
-                        time.sleep(1.0)         # its last report may still be in the pipe
-                        while True:
-                            try:
-                                rank, status, value = results.get_nowait()
-                                out[rank] = (status, value)
-                            except queue.Empty:
-                                break
-                        for r in dead:
-                            out.setdefault(r, ("exit", procs[r].exitcode))
-                        if any(out[r][0] != "ok" for r in dead):
-                            break
-        finally:
-            for p in procs:
-                p.join(timeout=5 if len(out) == world else 0.5)
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
+    from benchmarks.ranks import failure_text, spawn_ranks
+    out, running = spawn_ranks(fn, world, args, ctx="spawn", deadline_s=timeout, env=env,
+                               env_at_start=True, pg_timeout=pg_timeout, pin_cores=pin_cores,
+                               poll_s=1.0)
     failed = sorted(r for r, (status, _) in out.items() if status != "ok")
     if failed:
-        status, value = out[failed[0]]
-        detail = value if status == "error" else f"exited with code {value} without a result"
-        raise RuntimeError(f"{fn.__name__}: rank {failed[0]} of {world} failed:\n{detail}")
-    if len(out) < world:
-        raise RuntimeError(f"{fn.__name__}: ranks {sorted(set(range(world)) - set(out))} of {world} "
+        raise RuntimeError(f"{fn.__name__}: rank {failed[0]} of {world} failed:\n"
+                           f"{failure_text(out[failed[0]])}")
+    if running:
+        raise RuntimeError(f"{fn.__name__}: ranks {running} of {world} "
                            f"did not finish within timeout={timeout}s (process-group timeout "
                            f"{pg_timeout}s); ranks {sorted(out)} had reported")
     return [out[r][1] for r in range(world)]

@@ -5,7 +5,7 @@ point-to-point); with 2 or more GPUs also one rank per GPU over NCCL, the produc
 where a stalled peer must end in an error, never a hang.
 
 Marked `gpu`: skipped without CUDA, each kernel's cases without that kernel, and the NCCL
-cases (`nccl`, `multi_gpu(n)`) without n GPUs. Uses tests_dist/harness.py and ranks.py
+cases (`nccl`, `multi_gpu(n)`) without n GPUs. Uses tests_dist/harness.py and benchmarks/ranks.py
 (forkserver ranks, hard timeout).
 """
 import os
@@ -18,7 +18,7 @@ from markers import with_kernels
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests_dist"))
 from harness import _CTX, run_ranks  # noqa: E402
-from ranks import failure_text, spawn_ranks  # noqa: E402
+from benchmarks.ranks import failure_text, spawn_ranks  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

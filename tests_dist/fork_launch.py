@@ -20,6 +20,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout: benchmarks.ranks
 
 WORLD = 4
 DEADLINE_S = 400.0           # below gemma2_launch's hang guard, so this process reports first
@@ -48,7 +49,7 @@ def _reference(module: str, out_dir: str) -> None:
 def main(module: str, out_dir: str) -> int:
     import torch
 
-    from ranks import failure_text, spawn_ranks
+    from benchmarks.ranks import failure_text, spawn_ranks
     for name in PRELOAD:
         try:
             importlib.import_module(name)

@@ -4,14 +4,14 @@ Each call gets its own rendezvous file (parallel pytest-xdist workers never coll
 use one thread each, and the parent enforces a hard timeout: on expiry or on any rank's failure
 every worker is killed and the failing rank's traceback is raised. Workers start from a
 forkserver that has torch imported once, so each spawn costs milliseconds, not an import.
-The process handling is ranks.spawn_ranks (tests_dist/ranks.py).
+The process handling is benchmarks/ranks.spawn_ranks, shared with the benchmarks.
 """
 from __future__ import annotations
 
 import torch
 import torch.multiprocessing as mp
 
-from ranks import failure_text, spawn_ranks
+from benchmarks.ranks import failure_text, spawn_ranks
 
 _CTX = mp.get_context("forkserver")
 # Besides torch and the library: the HF integration (it imports transformers, ~2.5 s of CPU per

@@ -37,6 +37,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+sys.path.insert(0, ROOT)   # benchmarks.ranks
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.join(ROOT, "examples", "hf"))
 
@@ -395,7 +396,7 @@ def main(out_dir: str) -> None:
     import hf_trainer_workers  # noqa: F401
     hf_example()
     from families import FAMILIES
-    from ranks import failure_text, spawn_ranks
+    from benchmarks.ranks import failure_text, spawn_ranks
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.set_num_threads(1)

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from ranks import spawn_ranks
+from benchmarks.ranks import spawn_ranks
 from harness import _CTX
 
 TIMEOUT_S = 3.0                  # CP_SOFTCAP_TIMEOUT for these tests (default 120 s)

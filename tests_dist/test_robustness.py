@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from harness import _CTX
-from ranks import spawn_ranks
+from benchmarks.ranks import spawn_ranks
 
 TIMEOUT_S = 1.0
 STALL_TIMEOUT_S = 2.0

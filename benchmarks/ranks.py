@@ -1,10 +1,11 @@
 """Run fn(rank, world, *args) on `world` local processes joined by gloo, and say what each did.
 
-The one spawn / rendezvous / poll / deadline / kill loop behind the multi-process tests
-(tests_dist/harness.run_ranks: a failure is an AssertionError; test_no_hangs.spawn: a rank that
-raises or dies is an outcome to check). They differ only in how they start processes and what
-they make of the outcomes, so those are parameters here and the callers are thin wrappers. Not
-public API.
+The one spawn / rendezvous / poll / deadline / kill loop behind every multi-process run of the
+repository: the benchmarks' CPU ranks (_util.launch_ranks: a failure is a RuntimeError) and the
+tests' (tests_dist/harness.run_ranks: an AssertionError; test_no_hangs: a rank that raises or
+dies is an outcome to check). They differ only in how they start processes and what they make
+of the outcomes, so those are parameters here and the callers are thin wrappers. Not public
+API.
 
     outcomes, running = spawn_ranks(fn, 2, (x,), ctx="spawn", deadline_s=60)
     # outcomes: {rank: ("ok", value) | ("error", traceback text) | ("exit", exit code)}
