@@ -14,7 +14,7 @@ from harness import _CTX
 from benchmarks.ranks import spawn_ranks
 
 TIMEOUT_S = 1.0
-STALL_TIMEOUT_S = 2.0
+STALL_TIMEOUT_S = 1.0
 WARM_TIMEOUT_S = 30.0       # before a worker arms the short timeout: rank start-up and first calls
 
 
