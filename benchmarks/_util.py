@@ -18,13 +18,11 @@ import datetime
 import json
 import os
 import platform
-import queue
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
@@ -143,24 +141,36 @@ def table(rows: List[List[str]]) -> str:
 
 # --------------------------------------------------------------------------- gloo ranks on CPU
 
-def launch_ranks(fn: Callable, world: int, args: Sequence = (), env: Optional[Mapping[str, str]] = None,
-                 timeout: float = 900.0, *, pg_timeout: float = 600.0, pin_cores: bool = False) -> List:
-    """Run fn(rank, world, *args) on `world` spawned processes joined by gloo (file rendezvous in
-    a fresh temporary directory, one thread each; rank r pinned to core r % ncores with
-    pin_cores) and return the ranks' return values, in rank order. fn, args and the values it
-    returns must pickle.
+def _preloaded():
+    """The forkserver context whose server imports torch and the library before its first fork."""
+    import multiprocessing as mp
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "cp_softcap"])
+    return ctx
 
-    env is in os.environ while the processes start (restored afterwards), so the children have it
-    from exec: malloc (MALLOC_*) and OpenMP read theirs at process start, not later.
-    pg_timeout is the process group's timeout (s); timeout is the whole launch's deadline (s).
+
+def launch_ranks(fn: Callable, world: int, args: Sequence = (), env: Optional[Mapping[str, str]] = None,
+                 timeout: float = 900.0, *, pg_timeout: float = 600.0, pin_cores: bool = False,
+                 fresh: bool = False) -> List:
+    """Run fn(rank, world, *args) on `world` processes joined by gloo (file rendezvous in a fresh
+    temporary directory, one thread each; rank r pinned to core r % ncores with pin_cores) and
+    return the ranks' return values, in rank order. fn, args and the values it returns must
+    pickle.
+
+    The ranks fork from a server process that imported torch and the library once (8 ranks
+    importing torch each cost ~20 s of a 2-core machine). fresh=True spawns each rank as a new
+    interpreter instead, with env in os.environ while they start: malloc (MALLOC_*) and OpenMP
+    read theirs at process start, which a forked rank has long passed. Otherwise env is set in
+    each rank before fn runs. pg_timeout is the process group's timeout (s); timeout is the whole
+    launch's deadline (s).
 
     Raises RuntimeError, after every process is gone: with the traceback of the first rank that
     raised, the exit code of a rank that died without reporting, or the ranks still running
     after `timeout` seconds."""
     from benchmarks.ranks import failure_text, spawn_ranks
-    out, running = spawn_ranks(fn, world, args, ctx="spawn", deadline_s=timeout, env=env,
-                               env_at_start=True, pg_timeout=pg_timeout, pin_cores=pin_cores,
-                               poll_s=1.0)
+    out, running = spawn_ranks(fn, world, args, ctx="spawn" if fresh else _preloaded(), deadline_s=timeout,
+                               env=env, env_at_start=fresh, pg_timeout=pg_timeout,
+                               pin_cores=pin_cores, poll_s=1.0)
     failed = sorted(r for r, (status, _) in out.items() if status != "ok")
     if failed:
         raise RuntimeError(f"{fn.__name__}: rank {failed[0]} of {world} failed:\n"

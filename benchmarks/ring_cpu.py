@@ -393,7 +393,7 @@ def _mem_worker(rank, cp, shapes, reps):
 def launch(fn, world, args, env, timeout=900.0):
     """Every record fn returns, over the ranks of one launch (rank r pinned to core r % ncores)."""
     per_rank = launch_ranks(fn, world, args, env=env, timeout=timeout, pg_timeout=600,
-                            pin_cores=True)
+                            pin_cores=True, fresh=True)     # malloc's settings from exec
     return [rec for recs in per_rank for rec in recs]
 
 
