@@ -1,12 +1,12 @@
 """The documentation's code is real: every Python block of README is a verbatim excerpt of an
 example program that a test runs, every excerpt marked in those programs appears in README or a
 page of docs/, and the commands of README, docs/ and the example's README (the examples, the
-selector CLI, the example's --plan, the benchmarks' dry runs) run as written in a fresh copy of
-the repository, which stays clean (nothing written into tracked or untracked paths)."""
+selector CLI, the example's --plan) run as written in a fresh copy of the repository, which stays
+clean (nothing written into tracked or untracked paths). The benchmarks' dry runs are
+tests/test_benchmarks_runner.py's."""
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,7 +21,6 @@ EXAMPLES = ("examples/minimal_cp.py", "examples/hf_cp.py", "examples/packed_cp.p
 # programs with excerpts: the examples above (run here), and the Trainer and SFT examples, which
 # tests_dist/test_hf_trainer_dist.py and tests_dist/test_trl_sft_dist.py run on 4 gloo ranks
 EXCERPTED = EXAMPLES + ("examples/gemma2/hf_trainer.py", "examples/gemma2/sft.py")
-DRY_RUNS = ("benchmarks/cp_multi.py", "benchmarks/cp_sim.py", "benchmarks/kernels.py")
 # bash blocks whose commands set up a venv or launch the Gemma2 job: CI runs the test command
 # itself (.ci/run) and tests_dist/test_gemma2_train.py runs the training script under torchrun
 COVERED_ELSEWHERE = ("python3 -m venv", "pip install", "torchrun", "launch/", "sbatch")
@@ -109,11 +108,8 @@ def test_examples_and_commands_run_in_a_fresh_copy_that_stays_clean(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = str(repo)           # the copy's package, not the installed checkout
     env["CP_SOFTCAP_TIMEOUT"] = "120"
-    env["TMPDIR"] = str(tmp_path)           # dry runs' temporary folders: cleaned up with tmp_path
-    with socket.socket() as s:              # cp_multi's world of one needs a free port
-        s.bind(("127.0.0.1", 0))
-        env["MASTER_PORT"] = str(s.getsockname()[1])
-    cmds = doc_commands() + [f"python {e}" for e in EXAMPLES] + [f"python {b} --dry-run" for b in DRY_RUNS]
+    env["TMPDIR"] = str(tmp_path)           # the commands' temporary folders: cleaned up with tmp_path
+    cmds = doc_commands() + [f"python {e}" for e in EXAMPLES]
     for cmd in dict.fromkeys(cmds):         # README also names the examples: run each once
         argv = cmd.split()
         argv[0] = sys.executable
