@@ -67,6 +67,14 @@ def _check(out, grads, q, k, v, sinks, dout, opts, label, shard_fn=lambda t: t, 
     return errs
 
 
+# flex's gradients at this shape sit closer to the bf16 limit than fa2's and fa4's: on an H100
+# (torch 2.11, CP inputs' seed) dq 0.0199 and dk 0.0214 max-relative against float64, the same
+# to three digits under ring, all_gather and a2a. a2a gives each rank whole sequences of its
+# heads, i.e. the one-device computation, which points to the kernel's own rounding on this draw,
+# not CP's; 3x the bf16 'grad' tolerance for flex.
+TOL_SCALE = {"flex": 3.0}
+
+
 def _skip_unless(backend, cap, cp_size=1):
     from cp_softcap.kernels import get_kernel
     from cp_softcap.spec import make_spec
@@ -92,7 +100,7 @@ def test_one_device_gpt_oss_shape(backend, cap):
     grads = [t.grad.cpu() for t in (qd, kd, vd, sd)]
     out = out.detach().cpu()
     print(backend, cap, _check(out, grads, q, k, v, sinks, dout, opts, f"{backend} cap={cap}",
-                               out_full=out))
+                               out_full=out, tol_scale=TOL_SCALE.get(backend, 2.0)))
 
 
 def _cp_worker(rank, world, backend, comm, cap):
@@ -115,7 +123,8 @@ def _cp_worker(rank, world, backend, comm, cap):
     shards = [torch.empty_like(out) for _ in range(world)]
     dist.all_gather(shards, out)
     return _check(out, grads, q, k, v, sinks, dout, opts, f"rank {rank} {backend} {comm} cap={cap}",
-                  lambda t: shard(t, world, rank), out_full=unshard(shards))
+                  lambda t: shard(t, world, rank), out_full=unshard(shards),
+                  tol_scale=TOL_SCALE.get(backend, 2.0))
 
 
 @pytest.mark.parametrize("comm", ["ring", "all_gather", "a2a"])
