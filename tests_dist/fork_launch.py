@@ -1,8 +1,11 @@
-"""Run a workers module's two parts without torchrun: `reference(OUT_DIR)` in one process and
-`cp_runs(OUT_DIR)` on 4 gloo ranks with torchrun's environment, all started together.
+"""Run a workers module's two parts without torchrun: `reference(OUT_DIR, slow)` in one process
+and `cp_runs(OUT_DIR, slow)` on 4 gloo ranks with torchrun's environment, all started together.
 
-    python tests_dist/fork_launch.py sft_workers OUT_DIR
-    python tests_dist/fork_launch.py hf_trainer_workers OUT_DIR
+    python tests_dist/fork_launch.py sft_workers OUT_DIR [--no-slow]
+    python tests_dist/fork_launch.py hf_trainer_workers OUT_DIR [--no-slow]
+
+--no-slow (slow=False) leaves out the runs that only tests marked `slow` read, for a pytest run
+that does not select those tests (the default run's -m 'not slow').
 
 This process imports the module (torch, transformers, TRL, the library, the example) and
 torch.compile's machinery once, then forks the reference and the ranks from itself: under
@@ -30,23 +33,23 @@ PRELOAD = ("transformers", "transformers.trainer", "accelerate", "datasets", "tr
            "torch._dynamo", "torch._inductor.compile_fx")
 
 
-def _rank(rank: int, world: int, module: str, out_dir: str) -> None:
+def _rank(rank: int, world: int, module: str, out_dir: str, slow: bool) -> None:
     # what torchrun sets: TrainingArguments / accelerate read it (the process group exists)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-    importlib.import_module(module).cp_runs(out_dir)
+    importlib.import_module(module).cp_runs(out_dir, slow)
 
 
-def _reference(module: str, out_dir: str) -> None:
+def _reference(module: str, out_dir: str, slow: bool) -> None:
     try:
-        importlib.import_module(module).reference(out_dir)
+        importlib.import_module(module).reference(out_dir, slow)
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()
         os._exit(1)
 
 
-def main(module: str, out_dir: str) -> int:
+def main(module: str, out_dir: str, slow: bool = True) -> int:
     import torch
 
     from benchmarks.ranks import failure_text, spawn_ranks
@@ -59,10 +62,10 @@ def main(module: str, out_dir: str) -> int:
     torch.set_num_threads(1)
     start = time.monotonic()
     ctx = mp.get_context("fork")
-    ref = ctx.Process(target=_reference, args=(module, out_dir))
+    ref = ctx.Process(target=_reference, args=(module, out_dir, slow))
     ref.start()
     env = {"TOKENIZERS_PARALLELISM": "false"}
-    out, running = spawn_ranks(_rank, WORLD, (module, out_dir), ctx=ctx, deadline_s=DEADLINE_S,
+    out, running = spawn_ranks(_rank, WORLD, (module, out_dir, slow), ctx=ctx, deadline_s=DEADLINE_S,
                                env=env, pg_timeout=120)
     bad = sorted(r for r, (status, _) in out.items() if status != "ok")
     ref.join(timeout=0 if bad or running else max(0.0, start + DEADLINE_S - time.monotonic()))
@@ -84,4 +87,6 @@ def main(module: str, out_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    if len(sys.argv) < 3 or sys.argv[3:] not in ([], ["--no-slow"]):
+        sys.exit(__doc__)
+    sys.exit(main(sys.argv[1], sys.argv[2], slow=sys.argv[3:] != ["--no-slow"]))

@@ -102,14 +102,15 @@ def run(nproc: int, script: str, args: Sequence[str], timeout: float, what: str)
     return finish([p], timeout, what)[0]
 
 
-def reference_and_cp(workers: str, out: str, what: str):
-    """The workers module's reference(out) in one process and its cp_runs(out) on 4 gloo ranks
-    with torchrun's environment, forked together by tests_dist/fork_launch.py after one import
-    of everything; each run writes <name>.json and <name>.pt into `out`. Returns (the output of
-    all of them, loader(out))."""
+def reference_and_cp(workers: str, out: str, what: str, *, slow: bool = True):
+    """The workers module's reference(out, slow) in one process and its cp_runs(out, slow) on 4
+    gloo ranks with torchrun's environment, forked together by tests_dist/fork_launch.py after one
+    import of everything; each run writes <name>.json and <name>.pt into `out`. slow=False leaves
+    out the runs only `slow`-marked tests read. Returns (the output of all of them, loader(out))."""
     module = os.path.splitext(os.path.basename(workers))[0]
-    launch = start([sys.executable, os.path.join(ROOT, "tests_dist", "fork_launch.py"), module, out])
-    # a hang guard, not a speed check: each run also compiles a model (torch_compile=True)
+    launch = start([sys.executable, os.path.join(ROOT, "tests_dist", "fork_launch.py"), module, out]
+                   + ([] if slow else ["--no-slow"]))
+    # a hang guard, not a speed check: some runs also compile a model (torch_compile=True)
     return finish([launch], timeout=420, what=what)[0], loader(out)
 
 

@@ -85,7 +85,8 @@ def record(trainer, out_dir: str, name: str) -> None:
                os.path.join(out_dir, name + ".pt"))
 
 
-def reference(out_dir: str) -> None:
+def reference(out_dir: str, slow: bool = True) -> None:
+    """The one-process runs; every one is read by a default-run test, so `slow` changes nothing."""
     torch.set_num_threads(1)
     for dp in (1, 2):
         train, evaluation = data(dp)
@@ -97,7 +98,8 @@ def reference(out_dir: str) -> None:
             record(trainer, out_dir, f"ref_dp{dp}")
 
 
-def cp_runs(out_dir: str) -> None:
+def cp_runs(out_dir: str, slow: bool = True) -> None:
+    """The CP runs; every one is read by a default-run test, so `slow` changes nothing."""
     from cp_softcap.integrations.hf_trainer import CPTrainer, cp_mesh
     torch.set_num_threads(1)
     flatten = transformers.DataCollatorWithFlattening()

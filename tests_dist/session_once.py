@@ -36,3 +36,12 @@ def once_per_session(tmp_path_factory, name: str, compute):
     if "failed" in stored:
         pytest.fail(f"{name} (computed once for the session): {stored['failed']}", pytrace=False)
     return stored["value"]
+
+
+def slow_selected(request) -> bool:
+    """Whether this session runs any test marked `slow` from the requesting fixture's module, so
+    that a once-per-session computation can leave out what only those tests read. Every
+    pytest-xdist worker collects and deselects the same items, so each gets the same answer
+    (part of once_per_session's name where it changes the value)."""
+    return any(item.get_closest_marker("slow") is not None
+               for item in request.session.items if item.path == request.path)

@@ -6,6 +6,11 @@
     python -m torch.distributed.run --nproc-per-node 4 tests_dist/sft_workers.py cp OUT_DIR
     python tests_dist/fork_launch.py sft_workers OUT_DIR  # both, forked from one process (the tests)
 
+With slow=False (fork_launch.py --no-slow: pytest's default run) the CP ranks leave out
+padfree_full_compiled (SFTConfig(torch_compile=True)), which only a `slow` test reads: its
+compile is about half of these runs' CPU time, and neither TRL nor CPSFTTrainer adds anything for
+torch_compile to CPTrainerMixin, whose compiled training test_hf_trainer_dist.py's default run has.
+
 Each case writes OUT_DIR/<name>.json (per logged step: loss, grad norm, TRL's metrics or
 num_input_tokens_seen; eval metrics) and OUT_DIR/<name>.pt (final weights). The reference runs
 one process with per-device batch dp x the CP run's, so a step sees the same global batch; the
@@ -136,7 +141,8 @@ def neftune_args(tmp: str):
     return sft_args(tmp, 1, NEFTUNE_CASE, neftune_noise_alpha=NEFTUNE_ALPHA, max_steps=2)
 
 
-def reference(out_dir: str) -> None:
+def reference(out_dir: str, slow: bool = True) -> None:
+    """The one-process runs; every one is read by a default-run test, so `slow` changes nothing."""
     from trl import SFTTrainer
     torch.set_num_threads(1)
     for case, (dp, *_rest) in CASES.items():
@@ -169,7 +175,7 @@ def drop_boundaries(collator):
     return collate
 
 
-def cp_runs(out_dir: str) -> None:
+def cp_runs(out_dir: str, slow: bool = True) -> None:
     from cp_softcap.integrations.hf_trainer import CPTrainer, cp_mesh
     from cp_softcap.integrations.trl_sft import CPSFTTrainer
     torch.set_num_threads(1)
@@ -192,14 +198,15 @@ def cp_runs(out_dir: str) -> None:
             trainer.train()
             trainer.args.average_tokens_across_devices = True
             record(trainer, out_dir, f"{case}_{control}")
-        # SFTConfig(torch_compile=True): the model compiled by the trainer (aot_eager here, as in
-        # hf_trainer_workers.py), padding-free rows at dp 2 x cp 2
-        case = "padfree_full"
-        trainer = sft(CPSFTTrainer, model(), sft_args(tmp, 1, case, torch_compile=True,
-                                                     torch_compile_backend="aot_eager"), case,
-                      cp_mesh=meshes[CASES[case][1]], cp_comm=CASES[case][2])
-        trainer.train()
-        record(trainer, out_dir, f"{case}_compiled")
+        if slow:
+            # SFTConfig(torch_compile=True): the model compiled by the trainer (aot_eager here, as
+            # in hf_trainer_workers.py), padding-free rows at dp 2 x cp 2
+            case = "padfree_full"
+            trainer = sft(CPSFTTrainer, model(), sft_args(tmp, 1, case, torch_compile=True,
+                                                         torch_compile_backend="aot_eager"), case,
+                          cp_mesh=meshes[CASES[case][1]], cp_comm=CASES[case][2])
+            trainer.train()
+            record(trainer, out_dir, f"{case}_compiled")
         train, evaluation = plain_data()
         trainer = CPTrainer(model=HW.model("cp_softcap"), args=plain_args(tmp, 4), cp_mesh=meshes[4],
                             data_collator=transformers.DataCollatorWithFlattening(), train_dataset=train,

@@ -10,6 +10,12 @@ weights, for dp 2 x cp 2 ring and dp 1 x cp 4 a2a, BFD packing and padding-free 
 completion-only, assistant-only and full-sequence loss, gradient accumulation, a resume from a
 checkpoint, and shuffled data of sizes the batch does not divide. Negative controls (documents
 without their boundaries; the loss normalised per rank) differ by > 1e-3.
+
+Every test is in the default run but test_sft_compiled_matches_one_process (SFTConfig(torch_compile=True)),
+marked slow: its compile is about half of the launch's CPU time, TRL and CPSFTTrainer add nothing
+for torch_compile to CPTrainerMixin, and test_hf_trainer_dist.py's default run checks
+CPTrainer(torch_compile=True) on packed rows at dp 2 x cp 2 ring. The launch computes the compiled
+run only in a session that selects that test (`pytest -m slow`).
 """
 import json
 import os
@@ -22,7 +28,7 @@ pytest.importorskip("trl", minversion="1.16")
 sys.path.insert(0, os.path.dirname(__file__))
 import gemma2_launch as L  # noqa: E402
 from gemma2_launch import rel  # noqa: E402
-from session_once import once_per_session  # noqa: E402
+from session_once import once_per_session, slow_selected  # noqa: E402
 
 WORKERS = os.path.join(L.ROOT, "tests_dist", "sft_workers.py")
 TOL = 1e-6
@@ -30,16 +36,19 @@ STEP_KEYS = ("loss", "grad_norm", "mean_token_accuracy", "entropy", "num_tokens"
 CASES = {"packed_completion": 2, "packed_assistant": 1, "padfree_full": 2, "padfree_completion_odd": 1}
 
 
-def _launch(out: str) -> str:
-    cp_out, _ = L.reference_and_cp(WORKERS, out, "SFT reference and CP runs")
+def _launch(out: str, slow: bool) -> str:
+    cp_out, _ = L.reference_and_cp(WORKERS, out, "SFT reference and CP runs", slow=slow)
     assert "dp 2 x cp 2 (ring, packed): train losses [" in cp_out      # examples/gemma2/sft.py ran
     return out
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    # once per session: xdist's -n 2 may hand this module's tests to both workers
-    out = once_per_session(tmp_path_factory, "trl_sft", _launch)
+def runs(tmp_path_factory, request):
+    # once per session: xdist's -n 2 may hand this module's tests to both workers; the compiled
+    # run only where its slow test is selected
+    slow = slow_selected(request)
+    out = once_per_session(tmp_path_factory, "trl_sft" + ("_slow" if slow else ""),
+                           lambda folder: _launch(folder, slow))
     return L.loader(out), out
 
 
@@ -64,6 +73,7 @@ def test_sft_matches_one_process(runs, case):
     assert max(rel(load(case)[1][k], init[k]) for k in init) > 1e-3      # the weights were trained
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_sft_compiled_matches_one_process(runs):
     """SFTConfig(torch_compile=True) with padding-free rows at dp 2 x cp 2 ring."""
