@@ -141,14 +141,6 @@ def table(rows: List[List[str]]) -> str:
 
 # --------------------------------------------------------------------------- gloo ranks on CPU
 
-def _preloaded():
-    """The forkserver context whose server imports torch and the library before its first fork."""
-    import multiprocessing as mp
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "cp_softcap"])
-    return ctx
-
-
 def launch_ranks(fn: Callable, world: int, args: Sequence = (), env: Optional[Mapping[str, str]] = None,
                  timeout: float = 900.0, *, pg_timeout: float = 600.0, pin_cores: bool = False,
                  fresh: bool = False) -> List:
@@ -167,8 +159,9 @@ def launch_ranks(fn: Callable, world: int, args: Sequence = (), env: Optional[Ma
     Raises RuntimeError, after every process is gone: with the traceback of the first rank that
     raised, the exit code of a rank that died without reporting, or the ranks still running
     after `timeout` seconds."""
-    from benchmarks.ranks import failure_text, spawn_ranks
-    out, running = spawn_ranks(fn, world, args, ctx="spawn" if fresh else _preloaded(), deadline_s=timeout,
+    from benchmarks.ranks import failure_text, forkserver, spawn_ranks
+    ctx = "spawn" if fresh else forkserver("torch", "torch.distributed", "cp_softcap")
+    out, running = spawn_ranks(fn, world, args, ctx=ctx, deadline_s=timeout,
                                env=env, env_at_start=fresh, pg_timeout=pg_timeout,
                                pin_cores=pin_cores, poll_s=1.0)
     failed = sorted(r for r, (status, _) in out.items() if status != "ok")

@@ -26,6 +26,22 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch.multiprocessing as mp
 
 Outcome = Tuple[str, object]
+_PRELOAD: List[str] = []
+
+
+def forkserver(*modules: str):
+    """This process's forkserver context, preloading every module any caller asked for.
+
+    multiprocessing keeps one forkserver per process, started at its first fork with the preload
+    list set last and this process's sys.path at that moment; the tests' harness and the
+    benchmarks' launcher share it when a test runs a benchmark in-process, so each adds its
+    modules here instead of replacing the other's list."""
+    for name in modules:
+        if name not in _PRELOAD:
+            _PRELOAD.append(name)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(_PRELOAD))
+    return ctx
 
 
 def exit_text(code: int) -> str:

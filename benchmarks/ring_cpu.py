@@ -46,9 +46,9 @@ import sys
 import time
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import OUT_DIR_HELP, launch_ranks, out_dir_for, save, table  # noqa: E402
-from plots import plot_json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._util import OUT_DIR_HELP, launch_ranks, out_dir_for, save, table  # noqa: E402
+from benchmarks.plots import plot_json  # noqa: E402
 
 HQ, HKV, D, B, CAP = 8, 4, 64, 1, 50.0
 WINDOW = (None, 0)   # causal, as normalize_window(None, causal=True) gives

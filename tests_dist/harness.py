@@ -9,11 +9,9 @@ The process handling is benchmarks/ranks.spawn_ranks, shared with the benchmarks
 from __future__ import annotations
 
 import torch
-import torch.multiprocessing as mp
 
-from benchmarks.ranks import failure_text, spawn_ranks
+from benchmarks.ranks import failure_text, forkserver, spawn_ranks
 
-_CTX = mp.get_context("forkserver")
 # Besides torch and the library: the HF integration (it imports transformers, ~2.5 s of CPU per
 # rank) and torch.compile's machinery (the first compile in a fresh process spends ~3 s importing
 # it). Many ranks need one or the other; on CI's 2 cores those imports were a large share of the
@@ -21,9 +19,9 @@ _CTX = mp.get_context("forkserver")
 # Not on a CUDA machine: importing torch.compile's machinery there initialises CUDA in the
 # forkserver, and its forked ranks then cannot use the GPU ("Cannot re-initialize CUDA in
 # forked subprocess"; seen on an H100).
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "cp_softcap"] + (
-    [] if torch.cuda.is_available() else
-    ["cp_softcap.integrations.hf", "torch._dynamo", "torch._inductor.compile_fx"]))
+_CTX = forkserver("torch", "torch.distributed", "cp_softcap", *(
+    () if torch.cuda.is_available() else
+    ("cp_softcap.integrations.hf", "torch._dynamo", "torch._inductor.compile_fx")))
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, env=None, backend: str = "gloo"):
