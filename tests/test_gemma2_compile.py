@@ -19,8 +19,11 @@ pytestmark = pytest.mark.timeout(300)
 
 # blocks with the aot_eager backend (the block's graph as traced, run by eager kernels: bitwise
 # equal to eager; inductor on whole blocks with CPAttention is tests_dist/test_compile_dist.py's),
-# pieces with inductor
-@pytest.mark.parametrize("mode,backend,graphs", [("blocks", "aot_eager", 2), ("pieces", "inductor", 3)])
+# pieces with aot_eager, and with inductor as a slow case (inductor's CPU compile of the pieces
+# took ~25 s of CI's 2 cores)
+@pytest.mark.parametrize("mode,backend,graphs", [
+    ("blocks", "aot_eager", 2), ("pieces", "aot_eager", 3),
+    pytest.param("pieces", "inductor", 3, marks=pytest.mark.slow)])
 def test_compiled_layers_equal_eager(tmp_path, monkeypatch, mode, backend, graphs):
     import shutil
     if not any(map(shutil.which, ("g++", "c++", "clang++"))):

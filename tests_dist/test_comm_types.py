@@ -34,7 +34,8 @@ def _worker(rank, world, comm):
     return [run_case(c, seed=2000 + i, comm=comm, group=group) for i, c in enumerate(cases)]
 
 
-@pytest.mark.parametrize("comm,world", [("all_gather", 2), ("all_gather", 4), ("all_gather", 8),
+@pytest.mark.parametrize("comm,world", [("all_gather", 2), ("all_gather", 4),
+                                        pytest.param("all_gather", 8, marks=pytest.mark.slow),
                                         ("a2a", 2), ("a2a", 4), ("a2a", 8),
                                         ("a2a+p2p", 4), ("auto", 4)])
 def test_comm_matches_float64_reference(comm, world):

@@ -8,6 +8,7 @@ D = rowsum(dO * O), as the GPU test holds fa4/flex to), and fails the bf16 'grad
 against the plain float64 gradients (negative control: the stand-in really rounds; the GPU test
 saw dq/dk ~0.03 there). The boundaries-dropped control of the GPU test must fail by > 0.1.
 """
+import pytest
 import torch
 
 from harness import run_ranks
@@ -34,5 +35,6 @@ def test_flash_rounding_packed_cp2():
     _check(2, ("ring", "all_gather", "a2a"), None)
 
 
+@pytest.mark.slow      # cp 2 covers the claim for ring, all_gather and a2a
 def test_flash_rounding_packed_cp4_window():
     _check(4, ("ring", "a2a+p2p"), (100, 0))
