@@ -3,7 +3,6 @@ and documents --keep; every bad flag is reported at once with the valid values, 
 only; --plan prints the per-rank plan for any world size and exits without initialising
 torch.distributed; a run that cannot fit is refused with flags that would fit."""
 import os
-import subprocess
 import sys
 
 import pytest
@@ -16,7 +15,6 @@ from gemma2 import data, flags, memory, train  # noqa: E402
 from gemma2.config import get_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
-TRAIN = os.path.join(ROOT, "examples", "gemma2", "train.py")
 
 
 def test_help_shows_every_default():
@@ -29,23 +27,26 @@ def test_help_shows_every_default():
     assert "(default: 256)" in text and "complete checkpoints to keep" in text
 
 
-def _run(args, rank="0"):
-    env = dict(os.environ, RANK=rank, WORLD_SIZE="4", LOCAL_WORLD_SIZE="4")
-    return subprocess.run([sys.executable, TRAIN, *args], env=env, capture_output=True, text=True,
-                          timeout=60)
+def _run(args, rank, monkeypatch, capsys):
+    """flags.parse(args) as rank `rank` of 4 under torchrun: (exit status, stdout, stderr). In
+    process: tests_dist/test_gemma2_train.py runs train.py itself under torchrun with bad flags."""
+    for key, value in (("RANK", rank), ("WORLD_SIZE", "4"), ("LOCAL_WORLD_SIZE", "4")):
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as e:
+        flags.parse(args)
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
 
 
-def test_bad_flags_all_at_once_and_only_on_rank_0():
+def test_bad_flags_all_at_once_and_only_on_rank_0(monkeypatch, capsys):
     bad = ["--cp", "3", "--seq-len", "100", "--loss-chunk", "0", "--comm", "a2a"]
-    lead, other = _run(bad, "0"), _run(bad, "1")
-    assert lead.returncode == 2 and other.returncode == 0     # rank 0 alone reports (flags.py)
-    assert other.stdout == other.stderr == ""
-    err = lead.stderr
+    (lead, _, err), other = _run(bad, "0", monkeypatch, capsys), _run(bad, "1", monkeypatch, capsys)
+    assert lead == 2 and other == (0, "", "")     # rank 0 alone reports (flags.py)
     assert "--loss-chunk must be >= 1, got 0" in err and "divisors: 1, 2, 4" in err
     assert "--comm a2a splits the 4 query heads over cp=3" in err
     assert "--seq-len 100 must be a multiple of 2*cp = 6" in err      # although --cp 3 is refused too
-    choice = _run(["--ac", "some"], "0")
-    assert choice.returncode == 2 and "choose from 'none', 'full', 'selective'" in choice.stderr
+    code, _, err = _run(["--ac", "some"], "0", monkeypatch, capsys)
+    assert code == 2 and "choose from 'none', 'full', 'selective'" in err
 
 
 def test_compile_refused_without_a_cxx_compiler(monkeypatch):
