@@ -13,7 +13,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # The files whose tests took longest in CI (2 cores, -n 2; multi-process launches, compiles,
 # timeouts). pytest-xdist hands tests out in collection order, so these go first: otherwise one
 # worker ran them alone at the end while the other had nothing left.
-FIRST = ("test_benchmarks_runner.py", "test_hf_trainer_dist.py", "test_faults.py", "test_readme.py",
+FIRST = ("test_benchmarks_runner.py", "test_hf_trainer_dist.py", "test_readme.py",
          "test_trl_sft_dist.py", "test_gemma2_train.py", "test_hf_models_cp.py",
          "test_gemma2_memory.py", "test_onnx.py", "test_bad_inputs_dist.py",
          "test_exit_after_timeout.py", "test_robustness.py", "test_compile_dist.py")

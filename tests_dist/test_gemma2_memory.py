@@ -13,8 +13,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import gemma2_launch as L  # noqa: E402
 
 MEMCHECK = os.path.join(L.ROOT, "benchmarks", "training", "memcheck.py")
-SLOW = pytest.mark.slow       # CI keeps one case without AC and the two AC modes
-CASES = [pytest.param(["--ac", "none"], id="ring"),
+SLOW = pytest.mark.slow       # the default run keeps the two AC modes (FSDP2 with full AC)
+CASES = [pytest.param(["--ac", "none"], id="ring", marks=SLOW),
          pytest.param(["--ac", "none", "--comm", "a2a"], id="a2a", marks=SLOW),
          pytest.param(["--ac", "full", "--dtype", "bfloat16", "--fsdp", "--set", "hidden_size=256",
                        "--set", "intermediate_size=1024", "--batch-size", "1", "--seq-len", "4096"],
