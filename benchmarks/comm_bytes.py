@@ -201,7 +201,8 @@ def main():
     f = a.scale
     d_small = D_REAL // f
     configs = []
-    for wname, window in (list(WINDOWS.items())[:1] if a.quick else WINDOWS.items()):
+    windows = {"causal": WINDOWS["causal"]} if a.quick else WINDOWS
+    for wname, window in windows.items():
         for label, comm, inner in COMMS:
             for s, d in ((s_small, D_REAL), (s_small, d_small), (s_big, d_small)):
                 configs.append({"label": label, "comm": comm, "a2a": inner, "S": s, "D": d,

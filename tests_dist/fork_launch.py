@@ -1,11 +1,12 @@
-"""Run a workers module's two parts without torchrun: `reference(OUT_DIR, slow)` in one process
-and `cp_runs(OUT_DIR, slow)` on 4 gloo ranks with torchrun's environment, all started together.
+"""Run a workers module's two parts without torchrun: `reference(OUT_DIR)` in one process and
+`cp_runs(OUT_DIR)` on 4 gloo ranks with torchrun's environment, all started together.
 
     python tests_dist/fork_launch.py sft_workers OUT_DIR [--no-slow]
-    python tests_dist/fork_launch.py hf_trainer_workers OUT_DIR [--no-slow]
+    python tests_dist/fork_launch.py hf_trainer_workers OUT_DIR
 
---no-slow (slow=False) leaves out the runs that only tests marked `slow` read, for a pytest run
-that does not select those tests (the default run's -m 'not slow').
+--no-slow calls `cp_runs(OUT_DIR, slow=False)`, which leaves out the runs that only tests marked
+`slow` read, for a pytest run that does not select those tests (the default run's
+-m 'not slow'); only a module that has such runs takes it.
 
 This process imports the module (torch, transformers, TRL, the library, the example) and
 torch.compile's machinery once, then forks the reference and the ranks from itself: under
@@ -37,12 +38,13 @@ def _rank(rank: int, world: int, module: str, out_dir: str, slow: bool) -> None:
     # what torchrun sets: TrainingArguments / accelerate read it (the process group exists)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-    importlib.import_module(module).cp_runs(out_dir, slow)
+    # only a workers module with runs that only `slow` tests read takes slow=
+    importlib.import_module(module).cp_runs(out_dir, **({} if slow else {"slow": False}))
 
 
-def _reference(module: str, out_dir: str, slow: bool) -> None:
+def _reference(module: str, out_dir: str) -> None:
     try:
-        importlib.import_module(module).reference(out_dir, slow)
+        importlib.import_module(module).reference(out_dir)
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()
@@ -62,7 +64,7 @@ def main(module: str, out_dir: str, slow: bool = True) -> int:
     torch.set_num_threads(1)
     start = time.monotonic()
     ctx = mp.get_context("fork")
-    ref = ctx.Process(target=_reference, args=(module, out_dir, slow))
+    ref = ctx.Process(target=_reference, args=(module, out_dir))
     ref.start()
     env = {"TOKENIZERS_PARALLELISM": "false"}
     out, running = spawn_ranks(_rank, WORLD, (module, out_dir, slow), ctx=ctx, deadline_s=DEADLINE_S,

@@ -85,8 +85,7 @@ def record(trainer, out_dir: str, name: str) -> None:
                os.path.join(out_dir, name + ".pt"))
 
 
-def reference(out_dir: str, slow: bool = True) -> None:
-    """The one-process runs; every one is read by a default-run test, so `slow` changes nothing."""
+def reference(out_dir: str) -> None:
     torch.set_num_threads(1)
     for dp in (1, 2):
         train, evaluation = data(dp)
@@ -98,8 +97,7 @@ def reference(out_dir: str, slow: bool = True) -> None:
             record(trainer, out_dir, f"ref_dp{dp}")
 
 
-def cp_runs(out_dir: str, slow: bool = True) -> None:
-    """The CP runs; every one is read by a default-run test, so `slow` changes nothing."""
+def cp_runs(out_dir: str) -> None:
     from cp_softcap.integrations.hf_trainer import CPTrainer, cp_mesh
     torch.set_num_threads(1)
     flatten = transformers.DataCollatorWithFlattening()

@@ -141,8 +141,7 @@ def neftune_args(tmp: str):
     return sft_args(tmp, 1, NEFTUNE_CASE, neftune_noise_alpha=NEFTUNE_ALPHA, max_steps=2)
 
 
-def reference(out_dir: str, slow: bool = True) -> None:
-    """The one-process runs; every one is read by a default-run test, so `slow` changes nothing."""
+def reference(out_dir: str) -> None:
     from trl import SFTTrainer
     torch.set_num_threads(1)
     for case, (dp, *_rest) in CASES.items():

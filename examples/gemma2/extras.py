@@ -15,14 +15,11 @@ import importlib.util
 import os
 import sys
 
-def is_lead() -> bool:
-    """Rank 0 under torchrun, or a process started without it."""
-    return os.environ.get("RANK", "0") == "0"
-
 
 def usage_exit(text: str) -> None:
-    """Rank 0 prints `text` to stderr and exits 2; the other ranks exit 0 without a word."""
-    if not is_lead():
+    """Rank 0 (or a process started without torchrun) prints `text` to stderr and exits 2; the
+    other ranks exit 0 without a word."""
+    if os.environ.get("RANK", "0") != "0":
         sys.exit(0)
     print(text, file=sys.stderr, flush=True)
     sys.exit(2)

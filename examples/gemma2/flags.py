@@ -14,7 +14,7 @@ from cp_softcap.sharding import fits_zigzag
 
 from .config import CONFIGS, from_hf_json, get_config
 from .data import ByteTokenizer, check_data
-from .extras import usage_exit
+from .extras import RankZeroParser, usage_exit
 from .fused import CHOICES, choose
 from .model import weight_files
 from .parallel import COMMS, check_comm
@@ -28,17 +28,12 @@ def fail(message: str, usage: str = "") -> None:
     usage_exit(f"{usage}train.py: error: {message}")
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        fail(message, self.format_usage())
-
-
 class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     pass
 
 
-def parser(doc: str) -> Parser:
-    p = Parser(description=doc, formatter_class=_Help)
+def parser(doc: str) -> RankZeroParser:
+    p = RankZeroParser(prog="train.py", description=doc, formatter_class=_Help)
     a = p.add_argument
     a("--config", default="tiny", choices=sorted(CONFIGS), help="model shape (ignored with --model-dir)")
     a("--model-dir", help="local HF Gemma2 checkpoint dir (config.json, *.safetensors, tokenizer)")
