@@ -2,7 +2,8 @@
 opaque, so a block holding CPAttention compiles whole (`fullgraph=True` included) and the
 library's Python (plan, cross-rank check, collectives, kernel calls) runs eagerly inside them.
 
-    cp_softcap::attention           (q, k, v, sinks, cu_seqlens, options...) -> (out, lse, handle)
+    cp_softcap::attention           (q, k, v, sinks, cu_seqlens, positions, mask, options...)
+                                    -> (out, lse, handle)
     cp_softcap::attention_backward  (handle, dout, dlse, shapes, grads) -> [dq, dk, dv, dsinks]
 
 The forward operator runs the very call an eager model makes (api.cp_attention or
@@ -31,6 +32,13 @@ recompiles: dynamo guards on the Python values of the options (softcap, window, 
 which are fixed per layer; boundaries given as a list are Python values too, so a list of a
 new length recompiles, while a tensor (or a PackedLayout) of a new length recompiles once
 (dynamic after that) and new values never do.
+
+`positions` (the HF integration's position_ids) are read inside the operator too, so that no
+layer of a compiled HF model breaks its graph to read them: on one device, without boundaries,
+their resets are the packed documents (documents.boundaries_from_positions: the batch rows are
+then joined into one stream); under CP they are checked against the layout
+(sharding.check_positions). Their values never recompile. Likewise an HF 2-D attention mask must
+be all ones (a padding mask is refused from inside the operator).
 """
 from __future__ import annotations
 
@@ -44,8 +52,10 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .documents import PackedLayout, packed_layout
+from .documents import PackedLayout, boundaries_from_positions, packed_layout
 from .kernels.base import Kernel, grad_dtype
+from .sharding import check_positions
+from .spec import padding_mask_error
 
 _LIVE: Dict[int, tuple] = {}            # handle -> (weak ref to the handle's storage, graph)
 _NEXT = itertools.count(1)
@@ -178,7 +188,9 @@ _RESTORED_KEYS = tuple(
 
 @torch.library.custom_op("cp_softcap::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  sinks: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], groups: str, comm: str, backend: str,
+                  sinks: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                  positions: Optional[torch.Tensor], mask: Optional[torch.Tensor], groups: str,
+                  comm: str, backend: str,
                   softcap: float, causal: bool, window: List[int], scale: float,
                   flags: List[bool], layout_windows: List[int]
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -201,8 +213,25 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         cu = [int(x) for x in cu_seqlens.tolist()]
         if layout:
             cu = _layout(cu, q.shape[1], groups, layout_windows)
+    if mask is not None and not bool(mask.bool().all()):
+        raise padding_mask_error(mask.shape)
+    rows = 0                        # > 0: that many batch rows joined into one packed stream
+    if positions is not None and one_device and cu is None:
+        found = boundaries_from_positions(positions, q.shape[0])
+        if found is not None:
+            cu, rows = [int(x) for x in found.tolist()], q.shape[0]
+    elif positions is not None and not one_device:
+        from .groups import resolve_groups
+        _, cp, rank = resolve_groups(_groups(groups, comm), comm)
+        check_positions(positions, cp, rank, cu_seqlens=tuple(cu) if isinstance(cu, list) else cu)
     with torch.enable_grad(), _eager_dispatch():
-        if one_device:
+        if one_device and rows:
+            b, s = q.shape[:2]
+            joined = [t.reshape(1, b * s, *t.shape[2:]) for t in (q, k, v)]
+            out, lse = attention(*joined, return_lse=True, cu_seqlens=cu, sinks=sinks, **options)
+            out = out.reshape(b, s, *out.shape[2:])
+            lse = lse.reshape(lse.shape[1], b, s).transpose(0, 1)
+        elif one_device:
             out, lse = attention(q, k, v, return_lse=True, cu_seqlens=cu, sinks=sinks, **options)
         else:
             out = cp_attention(q, k, v, _groups(groups, comm), comm=comm, cu_seqlens=cu,
@@ -216,8 +245,8 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @_attention_op.register_fake
-def _(q, k, v, sinks, cu_seqlens, groups, comm, backend, softcap, causal, window, scale, flags,
-      layout_windows):
+def _(q, k, v, sinks, cu_seqlens, positions, mask, groups, comm, backend, softcap, causal, window,
+      scale, flags, layout_windows):
     b, s, hq = q.shape[:3]
     out = q.new_empty((b, s, hq, v.shape[-1]))
     one_device = flags[6]
@@ -262,7 +291,7 @@ _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 def _setup_context(ctx, inputs, output):
     q, k, v, sinks = inputs[:4]
-    flags = inputs[12]
+    flags = inputs[14]
     ctx.shapes = list(q.shape) + list(k.shape) + list(v.shape)
     if sinks is not None:       # its shape, then its dtype's index in _DTYPES
         ctx.shapes += list(sinks.shape) + [_DTYPES.index(sinks.dtype)]
@@ -275,7 +304,7 @@ def _backward(ctx, dout, dlse, dhandle):
     (handle,) = ctx.saved_tensors
     dq, dk, dv, ds = torch.ops.cp_softcap.attention_backward(handle, dout, dlse, ctx.shapes,
                                                              ctx.grads)
-    return (dq, dk, dv, ds if ctx.has_sinks else None) + (None,) * 11
+    return (dq, dk, dv, ds if ctx.has_sinks else None) + (None,) * 13
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -284,14 +313,17 @@ _attention_op.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------- entry points
 
 def compiled_attention(q, k, v, *, group_names_: str, comm: str, backend, softcap, causal,
-                       window, scale, cu_seqlens, one_device: bool, sinks=None):
-    """(out, lse) through the operators; lse is empty for a CP call. Called while dynamo traces."""
+                       window, scale, cu_seqlens, one_device: bool, sinks=None, positions=None,
+                       mask=None):
+    """(out, lse) through the operators; lse is empty for a CP call. Called while dynamo traces.
+    positions, mask: HF's position ids and 2-D attention mask, read inside the operator (module
+    docstring), or None."""
     grad = torch.is_grad_enabled()
     grads = [grad and t is not None and t.requires_grad for t in (q, k, v, sinks)]
     cu, layout, lw = _boundaries(cu_seqlens)
     flags = grads + [softcap is not None, scale is not None, one_device, layout]
     out, lse, _ = torch.ops.cp_softcap.attention(
-        q, k, v, sinks, cu, group_names_, comm, backend_key(backend),
+        q, k, v, sinks, cu, positions, mask, group_names_, comm, backend_key(backend),
         0.0 if softcap is None else float(softcap), bool(causal),
         _flat_windows([window if window is not None else (None, None)]),
         0.0 if scale is None else float(scale), flags, lw)

@@ -383,6 +383,22 @@ def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     return starts
 
 
+def boundaries_from_positions(position_ids: torch.Tensor, rows: int) -> Optional[torch.Tensor]:
+    """The documents of `rows` batch rows joined into one stream, from the resets of
+    position_ids ([1 or rows, S], or [S]; document_starts: a new document at every row and
+    wherever the position does not grow by 1): boundaries [0, ..., rows * S] (int64, on
+    position_ids' device), or None when no row restarts (an ordinary batch, attended row by
+    row)."""
+    pos = position_ids.reshape(-1, position_ids.shape[-1])
+    starts = document_starts(pos)
+    if not bool(starts[:, 1:].any()):
+        return None
+    sq = pos.shape[-1]
+    starts = starts.expand(rows, sq).reshape(-1)
+    end = torch.tensor([rows * sq], device=starts.device)
+    return torch.cat([starts.nonzero().flatten(), end])
+
+
 def doc_positions(cu: Sequence[int], pos: torch.Tensor) -> torch.Tensor:
     """Document-relative positions of global positions `pos`; 0 for padding."""
     ids = doc_ids(cu, pos)

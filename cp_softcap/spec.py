@@ -153,6 +153,14 @@ def unaligned(q, k, causal, window, causal_align) -> bool:
         return False
 
 
+def padding_mask_error(shape) -> ValueError:
+    """The refusal of a 2-D attention mask with zeros (HF's padding mask)."""
+    return ValueError(
+        f"attn_implementation='cp_softcap' got a 2-D attention_mask {tuple(shape)} with padding "
+        "(zeros); it cannot apply padding masks. Drop attention_mask: with causal attention, right "
+        "padding needs no mask as long as the padded labels are -100; or pack sequences without pads.")
+
+
 def alignment_error(q, k, causal: bool, window) -> ValueError:
     """The refusal of an unaligned call (see unaligned), with the reason and the fix."""
     sq, sk = q.shape[1], k.shape[1]

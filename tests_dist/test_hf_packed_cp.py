@@ -1,8 +1,9 @@
 """HF Gemma2 (attn_implementation="cp_softcap") on a packed (padding-free) stream under CP 2
 (gloo, float64): the shards of the packed layout with the GLOBAL boundaries passed as
 model(..., cu_seqlens=cu) give the logits and parameter gradients of each document run alone
-through cp_softcap on one process; ring and a2a; negative controls: the boundaries left out,
-and position_ids that are not the packed layout's (left out, or zigzag ones)."""
+through cp_softcap on one process; ring and a2a, and the ring with the model compiled whole
+(fullgraph=True, the boundaries a tensor); negative controls: the boundaries left out,
+and position_ids that are not the packed layout's (left out, or zigzag ones; compiled too)."""
 import os
 import sys
 
@@ -55,6 +56,21 @@ def _worker(rank, world):
         errs[f"{comm} grads"] = max(((ours.get_parameter(n).grad - r).abs().max()
                                      / r.abs().max().clamp_min(1e-30)).item() for n, r in ref_grads.items())
         assert torch.isfinite(out).all()
+    # compiled whole, fullgraph=True: the positions are checked inside the library's operator
+    hf_int.use_cp_group(dist.group.WORLD, comm="ring")
+    ours.zero_grad()
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    cu_t = torch.tensor(cu)
+    out = compiled(input_ids=local_ids, position_ids=pos, cu_seqlens=cu_t).logits
+    (out * cps.sharding.shard(g, world, rank, cu_seqlens=cu)).sum().backward()
+    for p in ours.parameters():
+        dist.all_reduce(p.grad)
+    full = cps.sharding.gather(out.detach().contiguous(), cu_seqlens=cu)[:, :S]
+    errs["compiled logits"] = ((full - ref).abs().max() / ref.abs().max()).item()
+    errs["compiled grads"] = max(((ours.get_parameter(n).grad - r).abs().max()
+                                  / r.abs().max().clamp_min(1e-30)).item() for n, r in ref_grads.items())
+    with pytest.raises(ValueError, match=r"rank \d: position_ids .* are not cp_softcap.sharding.positions"):
+        compiled(input_ids=local_ids, position_ids=torch.arange(pos.shape[1])[None], cu_seqlens=cu_t)
     # negative control: the packed shards without the global boundaries (a2a: positions unchecked)
     hf_int.use_cp_group(dist.group.WORLD, comm="ring")
     with pytest.raises(ValueError, match="cu_seqlens=cu_global"):
@@ -78,7 +94,7 @@ def test_hf_gemma2_packed_under_cp():
     pytest.importorskip("transformers", reason="needs transformers (pip install -e '.[gemma2]')")
     errs = run_ranks(_worker, 2, timeout=150)[0]
     print(errs)
-    assert set(errs) == {f"{c} {w}" for c in ("ring", "a2a") for w in ("logits", "grads")}
+    assert set(errs) == {f"{c} {w}" for c in ("ring", "a2a", "compiled") for w in ("logits", "grads")}
     # logits: float64 throughout; gradients: Gemma2's RMSNorm reduces in float32
     assert all(v <= 1e-10 for k, v in errs.items() if "logits" in k), errs
     assert all(v <= 1e-6 for k, v in errs.items() if "grads" in k), errs

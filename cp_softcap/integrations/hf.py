@@ -55,22 +55,21 @@ error, never a silently different result).
 """
 from __future__ import annotations
 
-import weakref
 from typing import Optional, Tuple
 
 import torch
 
-from ..api import attention, cp_attention
-from ..documents import PackedLayout, document_starts
+from ..api import attention, compiling, cp_attention
+from ..compiled import compiled_attention, group_names
+from ..documents import boundaries_from_positions
 from ..groups import check_member, resolve_groups
 from ..plan_cache import boundary_values, weak
 from ..selector import check_backend
-from ..sharding import positions as cp_positions
-from ..spec import check_comm
+from ..sharding import check_positions
+from ..spec import check_comm, padding_mask_error
 
 NAME = "cp_softcap"
 _CONFIG = {"group": None, "comm": "ring", "backend": "auto"}
-_CHECKED_POSITIONS: dict = {}
 
 
 def use_cp_group(group, *, comm: str = "ring", backend: str = "auto") -> None:
@@ -92,7 +91,6 @@ def use_cp_group(group, *, comm: str = "ring", backend: str = "auto") -> None:
         check_member(cp)        # a rank outside the group: the library's error, now
         held = weak(groups)
     _CONFIG.update(group=held, comm=comm, backend=backend)
-    _CHECKED_POSITIONS.clear()
 
 
 def _configured_group():
@@ -127,10 +125,7 @@ def _check_mask(mask) -> None:
     if mask_is_empty(mask):
         return
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        raise ValueError(
-            f"attn_implementation='cp_softcap' got a 2-D attention_mask {tuple(mask.shape)} with padding "
-            "(zeros); it cannot apply padding masks. Drop attention_mask: with causal attention, right "
-            "padding needs no mask as long as the padded labels are -100; or pack sequences without pads.")
+        raise padding_mask_error(mask.shape)
     shape = tuple(getattr(mask, "shape", ()))
     raise ValueError(
         f"attn_implementation='cp_softcap' got a dense attention mask of type {type(mask).__name__} "
@@ -145,47 +140,17 @@ def hf_window(sliding_window: int, causal: bool = True):
     return (sliding_window - 1, 0 if causal else sliding_window - 1)
 
 
-def _check_positions(position_ids: Optional[torch.Tensor], sq: int, cp: int, rank: int,
-                     cu=None) -> None:
-    """Under CP: this rank's position_ids must be cp_softcap.sharding.positions(S, cp, rank): the
-    global zigzag positions, or with packed documents (`cu`: the GLOBAL boundaries) the
-    document-relative positions of the packed layout."""
-    if position_ids is None or cp == 1:
-        return
-    # every layer of one forward gets the same tensors: check them once (a weakref, so a new
-    # tensor reusing a freed one's memory is checked again; the boundaries by value)
-    last = _CHECKED_POSITIONS.get("last")
-    key = (position_ids._version, sq, cp, rank, cu)
-    remember = cu is None or isinstance(cu, (tuple, PackedLayout))   # not e.g. a NumPy array
-    if remember and last is not None and last[0]() is position_ids and last[1] == key:
-        return
-    pos = position_ids.reshape(-1, position_ids.shape[-1])
-    expected = cp_positions(sq * cp, cp, rank, device=position_ids.device, cu_seqlens=cu)
-    if not (pos.shape[-1] == sq == expected.shape[-1] and bool((pos == expected).all())):
-        what = ("" if cu is None else ", cu_seqlens=cu_global") + ")"
-        raise ValueError(
-            f"position_ids {tuple(position_ids.shape)} (first row starts {pos[0, :4].tolist()}) are not "
-            f"cp_softcap.sharding.positions({sq * cp}, cp={cp}, rank={rank}{what}; cp_softcap masks by "
-            "position and RoPE needs them. Under CP pass position_ids=cp_softcap.sharding.positions(S, "
-            "cp, rank)[None] with the zigzag-sharded input_ids; for packed documents pass the GLOBAL "
-            "boundaries too: model(..., cu_seqlens=cu_global, position_ids=positions(S, cp, rank, "
-            "cu_seqlens=cu_global)[None]), with the shards from cp_softcap.sharding.shard(..., "
-            "cu_seqlens=cu_global).")
-    if remember:
-        _CHECKED_POSITIONS["last"] = (weakref.ref(position_ids), key)
-
-
-def _boundaries(b: int, sq: int, sk: int, position_ids, kwargs):
+def _boundaries(b: int, sq: int, sk: int, position_ids, kwargs, traced: bool = False):
     """One device: (boundaries, joined) where joined says they cover the b rows joined into one
     stream of b * sq tokens (else every row has them); (None, False) for an unpacked batch. See
-    the module docstring for where they come from."""
+    the module docstring for where they come from. traced (under torch.compile): the resets of
+    position_ids are not read here but inside the library's operator."""
     cu, joined = kwargs.get("cu_seqlens"), False
     if cu is None and kwargs.get("cu_seq_lens_q") is not None:
         joined = True
         cu, cu_k = kwargs["cu_seq_lens_q"], kwargs.get("cu_seq_lens_k")
-        if cu_k is not None and not torch.equal(torch.as_tensor(cu).cpu(), torch.as_tensor(cu_k).cpu()):
-            raise ValueError("attn_implementation='cp_softcap' got cu_seq_lens_q != cu_seq_lens_k: "
-                             "packed documents need queries and keys over the same stream")
+        if cu_k is not None:
+            _check_same_boundaries(cu, cu_k, traced)
     if cu is not None:
         if sq != sk:
             raise ValueError(f"packed documents (cu_seqlens) with query length {sq} != key length "
@@ -193,14 +158,25 @@ def _boundaries(b: int, sq: int, sk: int, position_ids, kwargs):
         return cu, joined
     if position_ids is None or sq != sk or sq < 2:
         return None, False
-    pos = position_ids.reshape(-1, position_ids.shape[-1])
-    if pos.shape[-1] != sq:
+    if position_ids.shape[-1] != sq:
         raise ValueError(f"position_ids {tuple(position_ids.shape)} do not match the query length {sq}")
-    starts = document_starts(pos)
-    if not bool(starts[:, 1:].any()):
-        return None, False             # no reset in any row: an ordinary batch
-    starts = starts.expand(b, sq).reshape(-1)
-    return torch.cat([starts.nonzero().flatten(), torch.tensor([b * sq], device=starts.device)]), True
+    if traced:
+        return None, False
+    found = boundaries_from_positions(position_ids, b)
+    return found, found is not None
+
+
+def _check_same_boundaries(cu_q, cu_k, traced: bool) -> None:
+    msg = ("attn_implementation='cp_softcap' got cu_seq_lens_q != cu_seq_lens_k: packed documents "
+           "need queries and keys over the same stream")
+    if not traced:
+        if not torch.equal(torch.as_tensor(cu_q).cpu(), torch.as_tensor(cu_k).cpu()):
+            raise ValueError(msg)
+        return
+    cu_q, cu_k = torch.as_tensor(cu_q), torch.as_tensor(cu_k)
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(msg)
+    torch._assert_async((cu_q == cu_k.to(cu_q.device)).all(), msg)    # in the graph: no sync
 
 
 def _mask_function(*args, attention_mask=None, use_vmap: bool = False, **kwargs):
@@ -209,8 +185,14 @@ def _mask_function(*args, attention_mask=None, use_vmap: bool = False, **kwargs)
         raise ValueError("this model changes the causal mask with extra mask functions (e.g. bidirectional "
                          "image tokens); attn_implementation='cp_softcap' applies only causal and "
                          "sliding-window masks. Use attn_implementation='eager' for this model.")
+    if compiling() and _is_2d(attention_mask):
+        return attention_mask          # read inside the operator (_traced), not in the graph
     _check_mask(attention_mask)
     return None
+
+
+def _is_2d(mask) -> bool:
+    return isinstance(mask, torch.Tensor) and mask.dim() == 2
 
 
 # keywords read below (packed documents, causality), and the ones that do not change attention
@@ -259,7 +241,9 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     if dropout:
         raise ValueError(f"attn_implementation='cp_softcap' got attention dropout={dropout}; it is "
                          "exact and has no dropout. Set config.attention_dropout = 0.0.")
-    _check_mask(attention_mask)
+    traced_mask = attention_mask if compiling() and _is_2d(attention_mask) else None
+    if traced_mask is None:
+        _check_mask(attention_mask)
     group = cp_group if cp_group is not None else _configured_group()
     comm = _CONFIG["comm"] if group is not None else "ring"     # one device: comm is moot
     cp, rank = _cp_size_rank(group, comm)
@@ -268,42 +252,64 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     if cp > 1 and sq != sk:
         raise ValueError(f"query length {sq} != key length {sk} under cp={cp}: generation with a KV "
                          "cache is not context parallel; call use_cp_group(None) for generation.")
-    cu, joined = (_boundaries(q.shape[0], sq, sk, position_ids, kwargs) if cp == 1
-                  else (kwargs.get("cu_seqlens"), False))
-    if cp > 1 and cu is None and kwargs.get("cu_seq_lens_q") is not None:
-        raise ValueError("attn_implementation='cp_softcap' under CP got cu_seq_lens_q (boundaries "
-                         "of this rank's tokens); packed documents under CP need the GLOBAL "
-                         "boundaries: model(..., cu_seqlens=cu_global), identical on every rank")
-    if cp > 1 and cu is not None:
-        # read once (a device sync for a CUDA tensor): the position check and the call share it
-        values = boundary_values(cu)
-        cu = cu if values is None else values
-    _check_positions(position_ids, sq, cp, rank, cu)
     if not (q.dtype == k.dtype == v.dtype):    # e.g. fp32 RoPE output with bf16 v under autocast
         dt = (torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type)
               else v.dtype)
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
-    window = hf_window(sliding_window, causal) if sliding_window else None
-    if scaling is None:
-        scaling = q.shape[-1] ** -0.5
-    sinks = {} if s_aux is None else {"sinks": s_aux}
-    if cu is not None and cp == 1:
-        b = q.shape[0]
-        if joined:                     # the rows joined into one packed stream
-            q, k, v = (t.reshape(1, b * t.shape[1], *t.shape[2:]) for t in (q, k, v))
-        out = attention(q, k, v, softcap=softcap, causal=causal, window=window, scale=scaling,
-                        backend=_CONFIG["backend"], cu_seqlens=cu, **sinks)
-        return out.reshape(b, sq, *out.shape[2:]), None
+    options = dict(softcap=softcap, causal=causal, scale=q.shape[-1] ** -0.5 if scaling is None else scaling,
+                   window=hf_window(sliding_window, causal) if sliding_window else None,
+                   backend=_CONFIG["backend"], sinks=s_aux)
+    if cp > 1 and kwargs.get("cu_seqlens") is None and kwargs.get("cu_seq_lens_q") is not None:
+        raise ValueError("attn_implementation='cp_softcap' under CP got cu_seq_lens_q (boundaries "
+                         "of this rank's tokens); packed documents under CP need the GLOBAL "
+                         "boundaries: model(..., cu_seqlens=cu_global), identical on every rank")
+    if compiling():
+        return _traced(q, k, v, group, comm, cp, position_ids, traced_mask, kwargs, options), None
+    if cp == 1:
+        cu, joined = _boundaries(q.shape[0], sq, sk, position_ids, kwargs)
+        if cu is not None:
+            b = q.shape[0]
+            if joined:                     # the rows joined into one packed stream
+                q, k, v = (t.reshape(1, b * t.shape[1], *t.shape[2:]) for t in (q, k, v))
+            out = attention(q, k, v, cu_seqlens=cu, **options)
+            return out.reshape(b, sq, *out.shape[2:]), None
     if group is None:                  # no CP group set: plain attention (DP-only runs too)
         # generation with a KV cache: the new queries are the LAST positions of the keys
         # (HF's cache_position), which is bottom-right alignment
-        return attention(q, k, v, softcap=softcap, causal=causal, window=window, scale=scaling,
-                         backend=_CONFIG["backend"], causal_align="bottom_right", **sinks), None
-    docs = {} if cu is None else {"cu_seqlens": cu}
-    out = cp_attention(q, k, v, group, softcap=softcap, causal=causal, window=window, scale=scaling,
-                       comm=comm, backend=_CONFIG["backend"], **docs, **sinks)
+        return attention(q, k, v, causal_align="bottom_right", **options), None
+    cu = kwargs.get("cu_seqlens")
+    if cu is not None:
+        # read once (a device sync for a CUDA tensor): the position check and the call share it
+        values = boundary_values(cu)
+        cu = cu if values is None else values
+    if position_ids is not None and cp > 1:
+        check_positions(position_ids, cp, rank, cu_seqlens=cu)
+    out = cp_attention(q, k, v, group, comm=comm, cu_seqlens=cu, **options)
     return out, None
+
+
+def _traced(q, k, v, group, comm, cp, position_ids, mask, kwargs, options):
+    """The call while torch.compile traces the model: the library's operator (cp_softcap.compiled)
+    with position_ids and a 2-D attention mask, which it reads inside, eagerly (packed rows from
+    the resets on one device, the layout check under CP; the mask must be all ones), so no layer
+    breaks the graph to read them."""
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    options = dict(options)
+    sinks = options.pop("sinks")
+    if cp == 1:
+        cu, joined = _boundaries(b, sq, sk, position_ids, kwargs, traced=True)
+        if joined:                     # the rows joined into one packed stream
+            q, k, v = (t.reshape(1, b * t.shape[1], *t.shape[2:]) for t in (q, k, v))
+        pos = position_ids if cu is None and sq == sk and sq >= 2 else None
+        out, _ = compiled_attention(q, k, v, group_names_="", comm="ring", cu_seqlens=cu,
+                                    one_device=True, sinks=sinks, positions=pos, mask=mask,
+                                    **options)
+        return out.reshape(b, sq, *out.shape[2:])
+    out, _ = compiled_attention(q, k, v, group_names_=group_names(group, comm), comm=comm,
+                                cu_seqlens=kwargs.get("cu_seqlens"), one_device=False, sinks=sinks,
+                                positions=position_ids, mask=mask, **options)
+    return out
 
 
 def register(name: str = NAME) -> None:
