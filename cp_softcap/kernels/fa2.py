@@ -228,17 +228,19 @@ class FA2Kernel(Kernel):
 
     def _varlen_backward(self, dout, q, k, v, out, lse_in, packed, scale, softcap, window, det):
         """Packed backward: lse_in [B, H, Sq] (+inf for empty rows) goes in as [H, B * Sq];
-        gradients are written into [B * S, H, D] buffers and returned as [B, S, H, D]."""
+        gradients are written into [B, S, H, D] buffers through [B * S, H, D] views and returned
+        whole (not as views), so the caller's sum adopts them without a copy."""
         cu_q, cu_k, max_q, max_k = packed
         qs, ks, vs = (tokens(t) for t in (q, k, v))
-        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (qs, ks, vs))
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
         bwd = self._mod._flash_attn_varlen_backward
         lse_t = varlen_lse_in(lse_in)
-        args = (tokens(dout), qs, ks, vs, tokens(out), lse_t, dq, dk, dv, cu_q, cu_k, max_q, max_k)
+        args = (tokens(dout), qs, ks, vs, tokens(out), lse_t, tokens(dq), tokens(dk), tokens(dv),
+                cu_q, cu_k, max_q, max_k)
         if self._family == "split":
             left, right = fa_window(window)
             bwd(*args, 0.0, scale, False, left, right, softcap_value(softcap), None, det, None)
         else:
             bwd(*args, dropout_p=0.0, softmax_scale=scale, causal=False, softcap=softcap_value(softcap),
                 alibi_slopes=None, deterministic=det, rng_state=None, **self._win_kwargs(window))
-        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+        return dq, dk, dv

@@ -49,7 +49,7 @@ _MODULE = "flash_attn.cute.interface"
 _FWD_KW = ("softmax_scale", "causal", "softcap", "window_size_left", "window_size_right",
            "return_lse", "score_mod")
 _BWD_KW = ("softmax_scale", "causal", "softcap", "window_size_left", "window_size_right",
-           "deterministic", "dlse", "score_mod", "score_mod_bwd")
+           "deterministic", "dlse", "score_mod", "score_mod_bwd", "dq", "dk", "dv")
 _VARLEN_KW = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 INSTALL_HINT = "install flash-attn-4 (pip install 'cp-softcap[fa4]')"
 # flash-attn-4 4.0.0b36's CuTe DSL warns at each kernel compile that the score_mod's AuxData
@@ -223,8 +223,13 @@ class FA4Kernel(Kernel):
             return tuple(mod._flash_attn_bwd(
                 q, k, v, out_k, dout_k, lse.float().contiguous(),
                 dlse=None if dlse is None else dlse.float().contiguous(), **kw)[:3])
-        dq, dk, dv = mod._flash_attn_bwd(
+        # the kernel writes [B, S, H, D] buffers of ours through [B * S, H, D] views: returned
+        # whole (not as views of its [B * S, H, D] outputs), the caller's sum adopts them
+        # instead of copying each gradient (merge.GradAccumulator)
+        dq, dk, dv = (torch.empty(t.shape, dtype=q.dtype, device=q.device) for t in (q, k, v))
+        mod._flash_attn_bwd(
             tokens(q), tokens(k), tokens(v), tokens(out_k), tokens(dout_k), varlen_lse_in(lse),
             cu_seqlens_q=packed.cu_q, cu_seqlens_k=packed.cu_k, max_seqlen_q=packed.max_q,
-            max_seqlen_k=packed.max_k, dlse=None if dlse is None else varlen_lse_in(dlse), **kw)[:3]
-        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+            max_seqlen_k=packed.max_k, dlse=None if dlse is None else varlen_lse_in(dlse),
+            dq=tokens(dq), dk=tokens(dk), dv=tokens(dv), **kw)
+        return dq, dk, dv
