@@ -141,5 +141,8 @@ SUITES: Dict[str, List[Step]] = {
              about="bytes per rank with packed documents (the byte model)"),
         Step("packing_balance", "benchmarks.packing_balance", gpus=0, quick=["--dry-run"],
              about="packed documents: the busiest rank's area over the mean, per layout"),
+        Step("tile_model", "benchmarks.tile_model", gpus=0,
+             about="FA4's sm90 tiles and CTAs fitted to the H100 records: where short calls and "
+                   "short documents lose time (useful work, tile edges, CTA cost, tail, memory)"),
     ],
 }
