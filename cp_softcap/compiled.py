@@ -55,7 +55,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .documents import PackedLayout, boundaries_from_positions, packed_layout
 from .kernels.base import Kernel, grad_dtype
 from .sharding import check_positions
-from .spec import padding_mask_error
+from .spec import mask_is_empty, padding_mask_error
 
 _LIVE: Dict[int, tuple] = {}            # handle -> (weak ref to the handle's storage, graph)
 _NEXT = itertools.count(1)
@@ -213,7 +213,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         cu = [int(x) for x in cu_seqlens.tolist()]
         if layout:
             cu = _layout(cu, q.shape[1], groups, layout_windows)
-    if mask is not None and not bool(mask.bool().all()):
+    if not mask_is_empty(mask):                 # given here only as a 2-D mask
         raise padding_mask_error(mask.shape)
     rows = 0                        # > 0: that many batch rows joined into one packed stream
     if positions is not None and one_device and cu is None:

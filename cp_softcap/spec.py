@@ -153,6 +153,13 @@ def unaligned(q, k, causal, window, causal_align) -> bool:
         return False
 
 
+def mask_is_empty(mask) -> bool:
+    """The one rule for HF attention masks: None, or a 2-D all-ones mask (a tokenizer's), masks
+    nothing and is accepted; any other mask (padding zeros, a dense 4-D mask) changes attention
+    in a way cp_softcap does not implement and is refused by the callers."""
+    return mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.bool().all()))
+
+
 def padding_mask_error(shape) -> ValueError:
     """The refusal of a 2-D attention mask with zeros (HF's padding mask)."""
     return ValueError(

@@ -15,7 +15,7 @@ RULES = [  # (decision, pattern, the one file allowed to hold it)
     ("DeviceMesh detection", r"isinstance\(\w+, DeviceMesh\)", "cp_softcap/groups.py"),
     ("document starts from position_ids", r"\[:, 1:\]\s*-\s*\w+\[:, :-1\]", "cp_softcap/documents.py"),
     ("FA3's opt-in", r"fa3_enabled\(\)", "cp_softcap/selector.py"),
-    ("the attention-mask acceptance rule", r"\.bool\(\)\.all\(\)", "cp_softcap/integrations/hf.py"),
+    ("the attention-mask acceptance rule", r"\.bool\(\)\.all\(\)", "cp_softcap/spec.py"),
 ]
 
 

@@ -66,7 +66,7 @@ from ..groups import check_member, resolve_groups
 from ..plan_cache import boundary_values, weak
 from ..selector import check_backend
 from ..sharding import check_positions
-from ..spec import check_comm, padding_mask_error
+from ..spec import check_comm, mask_is_empty, padding_mask_error
 
 NAME = "cp_softcap"
 _CONFIG = {"group": None, "comm": "ring", "backend": "auto"}
@@ -112,13 +112,6 @@ def _cp_size_rank(group, comm: str) -> Tuple[int, int]:
         return 1, 0
     _, cp, rank = resolve_groups(group, comm)
     return cp, rank
-
-
-def mask_is_empty(mask) -> bool:
-    """The one rule for attention masks: None, or a 2-D all-ones mask (a tokenizer's), masks
-    nothing and is accepted; any other mask (padding zeros, a dense 4-D mask) changes attention
-    in a way cp_softcap does not implement and is refused by the callers."""
-    return mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.bool().all()))
 
 
 def _check_mask(mask) -> None:
