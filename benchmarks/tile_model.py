@@ -8,13 +8,13 @@ FA4 (flash-attn-4 4.0.0b36) on sm90, as its interface.py sets it up for these ca
 per tile, handed to whichever SM frees up, in the scheduler's order (varlen: document after
 document; dense causal: longest first). Tile sizes (_tile_size_fwd_sm90 / _tile_size_bwd_sm90):
 head dim 256: forward 128 x 80 (query rows x keys), backward 64 x 48; head dim 128: forward
-128 x 128, backward 64 x 128 causal or local, 80 x 128 otherwise. The forward packs the query
+128 x 128, backward 64 x 128 (its causal or local tile: the library passes a fully visible
+call at this head dim as a windowed one, kernels/fa4.tile_window). The forward packs the query
 heads of a KV group into the tile's rows (pack_gqa, FA4's default for GQA: 128 rows = 64 tokens
 of both heads); the backward runs one query head per CTA (FA4 has no pack_gqa in backward).
   forward   CTA = (query tile, KV head); it loops over the key tiles its rows can see
   backward  CTA = (key tile, query head); it loops over the query tiles that can see its keys
-A CTA costs (loop + beta) tile steps (a step: the causal tile's area; an unmasked backward
-tile of 80 x 128 counts 1.25 steps): beta is its fixed cost (prologue, epilogue, pipeline fill
+A CTA costs (loop + beta) tile steps: beta is its fixed cost (prologue, epilogue, pipeline fill
 and drain) in steps. A call's time = alpha x makespan of its CTAs over 132 SMs (one CTA per SM
 at these tile sizes) + for the backward its memory passes at --hbm-gbs (FA4's pre- and
 post-processing over every token: O and dO read, the float32 dQ accumulator and, under GQA, the
@@ -48,18 +48,16 @@ from benchmarks.packing_balance import mix                                    # 
 
 SMS = 132                               # H100 SXM
 HEADS = {"9B": (16, 8, 256), "27B": (32, 16, 128)}
-# (rows, keys) per tile: forward, backward causal/local, backward without a mask
-TILES = {256: ((128, 80), (64, 48), (64, 48)), 128: ((128, 128), (64, 128), (80, 128))}
+# (rows, keys) per tile: forward, backward
+TILES = {256: ((128, 80), (64, 48)), 128: ((128, 128), (64, 128))}
 
 
 class Call:
     """One kernel call: `segments` of (query tokens, keys >= queries, causal) with bottom-right
-    causal alignment (a query sees the keys up to its own position + keys - queries), or full.
-    masked: FA4 takes its causal/local tile sizes (a causal or windowed call)."""
+    causal alignment (a query sees the keys up to its own position + keys - queries), or full."""
 
-    def __init__(self, name: str, segments: Sequence[Tuple[int, int, bool]], varlen: bool,
-                 masked: bool):
-        self.name, self.segments, self.varlen, self.masked = name, list(segments), varlen, masked
+    def __init__(self, name: str, segments: Sequence[Tuple[int, int, bool]], varlen: bool):
+        self.name, self.segments, self.varlen = name, list(segments), varlen
 
     def area(self) -> int:
         """Visible (query token, key) pairs."""
@@ -88,17 +86,15 @@ def forward_ctas(call: Call, hq: int, hkv: int, d: int) -> List[int]:
     return loops
 
 
-def backward_ctas(call: Call, hq: int, d: int) -> List[float]:
-    """Loop length of each backward CTA, in the scheduler's order: query tiles, counted in steps
-    of the causal tile's area (an unmasked call's 80 x 128 tile is 1.25 steps of 64 x 128)."""
+def backward_ctas(call: Call, hq: int, d: int) -> List[int]:
+    """Loop length (query tiles) of each backward CTA, in the scheduler's order."""
     loops = []
-    tm, tn = TILES[d][1] if call.masked else TILES[d][2]
-    weight = tm * tn / (TILES[d][1][0] * TILES[d][1][1])
+    tm, tn = TILES[d][1]
     for sq, sk, causal in call.segments:
         per_head = []
         for j in range(math.ceil(sk / tn)):
             first_row = max(0, j * tn - (sk - sq)) if causal else 0   # first query seeing key tile j
-            per_head.append(weight * max(0, math.ceil(sq / tm) - first_row // tm))
+            per_head.append(max(0, math.ceil(sq / tm) - first_row // tm))
         if not call.varlen:
             per_head.sort(reverse=True)
         loops += per_head * hq
@@ -166,7 +162,7 @@ def packed_call(kind: str, total: int, order: str = "stream") -> Call:
     if order == "longest first":
         lengths.sort(reverse=True)
     return Call(f"packed {kind}" + ("" if order == "stream" else f", {order}"),
-                [(n, n, True) for n in lengths], varlen=True, masked=True)
+                [(n, n, True) for n in lengths], varlen=True)
 
 
 def ring_rank(s: int, cp: int, rank: int = 0) -> Tuple[List[Call], Call]:
@@ -180,9 +176,9 @@ def ring_rank(s: int, cp: int, rank: int = 0) -> Tuple[List[Call], Call]:
     for steps in ring_blocks(cp, 2 * c, s):
         pairs += block_plan(cp, rank, c, (None, 0), steps)[1]
     calls = [Call(f"{p.q1 - p.q0} x {p.k1 - p.k0}", [(p.q1 - p.q0, p.k1 - p.k0, p.window == (None, 0))],
-                  varlen=False, masked=p.window != (None, None)) for p in pairs]
+                  varlen=False) for p in pairs]
     chunks = (rank, 2 * cp - 1 - rank)             # global chunks of the two local query chunks
-    one = Call("one varlen call", [(c, (g + 1) * c, True) for g in chunks], varlen=True, masked=True)
+    one = Call("one varlen call", [(c, (g + 1) * c, True) for g in chunks], varlen=True)
     return calls, one
 
 
@@ -208,9 +204,8 @@ def measured_27b() -> List[Tuple[Call, Dict[str, float]]]:
     for c in calls:
         if c["where"].endswith("in pieces"):
             continue                    # several calls back to back, not one call
-        causal = c["window"] == [None, 0]
-        full = c["window"] == [None, None]      # else a right bound past the last key: full too
-        call = Call(c["where"], [(c["rows"], c["keys"], causal)], varlen=False, masked=not full)
+        causal = c["window"] == [None, 0]      # else fully visible (a right bound past the keys)
+        call = Call(c["where"], [(c["rows"], c["keys"], causal)], varlen=False)
         out.append((call, dict(fwd=c["fwd_ms"], bwd=c["bwd_ms"])))
     return out
 
@@ -260,7 +255,7 @@ def main(argv=None) -> int:
     for model in ("9B", "27B"):
         hq, hkv, d = HEADS[model]
         calls, one = ring_rank(32768, 8)
-        full = Call("full", [(32768, 32768, True)], varlen=False, masked=True)
+        full = Call("full", [(32768, 32768, True)], varlen=False)
         for label, shape in (("library calls", calls), ("one varlen call", [one])):
             pred = {}
             for mode in ("fwd", "bwd"):

@@ -11,16 +11,15 @@ from benchmarks import tile_model as tm
 
 def test_cta_loops_counted_by_hand():
     # head dim 128, GQA 2: forward tiles of 128 rows = 64 tokens x 2 heads, 128 keys
-    causal = tm.Call("c", [(256, 256, True)], varlen=False, masked=True)
+    causal = tm.Call("c", [(256, 256, True)], varlen=False)
     assert sorted(tm.forward_ctas(causal, 2, 1, 128)) == [1, 1, 2, 2]     # 4 query tiles x 1 KV head
     # backward: 64 x 128 tiles, one query head per CTA; key tile j is seen by query tiles 2j..3
     assert sorted(tm.backward_ctas(causal, 2, 128)) == [2, 2, 4, 4]
-    full = tm.Call("f", [(128, 512, False)], varlen=False, masked=False)
-    # unmasked: 80 x 128 tiles, ceil(128 / 80) = 2 of them, each 1.25 steps of 64 x 128
-    assert tm.backward_ctas(full, 1, 128) == [2.5, 2.5, 2.5, 2.5]
+    full = tm.Call("f", [(128, 512, False)], varlen=False)
+    assert tm.backward_ctas(full, 1, 128) == [2, 2, 2, 2]                # every key tile sees both
     assert causal.area() == 256 * 257 // 2 and full.area() == 128 * 512
     # bottom-right causal with more keys than queries: each query also sees every earlier key
-    assert tm.Call("br", [(4, 10, True)], varlen=True, masked=True).area() == 4 * 6 + 10
+    assert tm.Call("br", [(4, 10, True)], varlen=True).area() == 4 * 6 + 10
 
 
 def test_greedy_schedule():
