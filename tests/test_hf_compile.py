@@ -114,3 +114,18 @@ def test_attention_mask_compiled():
     padded[1, -3:] = 0
     with pytest.raises(ValueError, match=r"2-D attention_mask \(2, 20\) with padding"):
         compiled(input_ids=ids, attention_mask=padded)
+
+
+def test_gpt_oss_sinks_compiled_with_packed_rows():
+    """gpt-oss's attention sinks (s_aux) and a window through the operator, two packed rows
+    joined into one stream inside it: compiled equals eager (float32: gpt-oss's eager MoE
+    refuses float64)."""
+    from hf_models import gptoss_pair
+    torch.manual_seed(0)
+    _, ours = gptoss_pair()
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    _, ids, pos = _packed_inputs(2)
+    g = torch.randn(*ids.shape, 97)
+    got, want = _run(compiled, g, input_ids=ids, position_ids=pos), _run(ours, g, input_ids=ids, position_ids=pos)
+    _same(got, want, 1e-5)
+    assert any(n.endswith("sinks") and w.abs().max() > 0 for n, w in want[1].items())
