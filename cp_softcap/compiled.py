@@ -2,7 +2,7 @@
 opaque, so a block holding CPAttention compiles whole (`fullgraph=True` included) and the
 library's Python (plan, cross-rank check, collectives, kernel calls) runs eagerly inside them.
 
-    cp_softcap::attention           (q, k, v, sinks, cu_seqlens, positions, mask, options...)
+    cp_softcap::attention           (q, k, v, sinks, cu_seqlens, cu_seqlens_k, positions, mask, options...)
                                     -> (out, lse, handle)
     cp_softcap::attention_backward  (handle, dout, dlse, shapes, grads) -> [dq, dk, dv, dsinks]
 
@@ -38,7 +38,9 @@ layer of a compiled HF model breaks its graph to read them: on one device, witho
 their resets are the packed documents (documents.boundaries_from_positions: the batch rows are
 then joined into one stream); under CP they are checked against the layout
 (sharding.check_positions). Their values never recompile. Likewise an HF 2-D attention mask must
-be all ones (a padding mask is refused from inside the operator).
+be all ones, and HF's key boundaries (cu_seq_lens_k) equal the query boundaries: both are
+refused from inside the operator with the eager call's error. What is read from them is read
+once per forward, not per layer (memo.TensorMemo).
 """
 from __future__ import annotations
 
@@ -54,13 +56,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .documents import PackedLayout, boundaries_from_positions, packed_layout
 from .kernels.base import Kernel, grad_dtype
+from .memo import TensorMemo
 from .sharding import check_positions
-from .spec import mask_is_empty, padding_mask_error
+from .spec import different_boundaries_error, mask_is_empty, padding_mask_error
 
 _LIVE: Dict[int, tuple] = {}            # handle -> (weak ref to the handle's storage, graph)
 _NEXT = itertools.count(1)
 _LOCK = threading.Lock()
 _KERNELS: Dict[str, Kernel] = {}       # "kernel:<id>" -> a backend given as a Kernel instance
+_MASKS = TensorMemo()                   # the last traced HF mask read (once per forward)
 
 
 # ----------------------------------------------------------------- what crosses the boundary
@@ -189,7 +193,8 @@ _RESTORED_KEYS = tuple(
 @torch.library.custom_op("cp_softcap::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   sinks: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-                  positions: Optional[torch.Tensor], mask: Optional[torch.Tensor], groups: str,
+                  cu_seqlens_k: Optional[torch.Tensor], positions: Optional[torch.Tensor],
+                  mask: Optional[torch.Tensor], groups: str,
                   comm: str, backend: str,
                   softcap: float, causal: bool, window: List[int], scale: float,
                   flags: List[bool], layout_windows: List[int]
@@ -213,17 +218,20 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         cu = [int(x) for x in cu_seqlens.tolist()]
         if layout:
             cu = _layout(cu, q.shape[1], groups, layout_windows)
-    if not mask_is_empty(mask):                 # given here only as a 2-D mask
-        raise padding_mask_error(mask.shape)
+    if mask is not None and not _MASKS.get(mask, None, lambda: mask_is_empty(mask)):
+        raise padding_mask_error(mask.shape)        # a 2-D mask (HF's) with zeros
+    if cu_seqlens_k is not None and cu_seqlens_k.tolist() != cu_seqlens.tolist():
+        raise different_boundaries_error()
     rows = 0                        # > 0: that many batch rows joined into one packed stream
     if positions is not None and one_device and cu is None:
         found = boundaries_from_positions(positions, q.shape[0])
         if found is not None:
-            cu, rows = [int(x) for x in found.tolist()], q.shape[0]
+            cu, rows = list(found), q.shape[0]
     elif positions is not None and not one_device:
         from .groups import resolve_groups
         _, cp, rank = resolve_groups(_groups(groups, comm), comm)
-        check_positions(positions, cp, rank, cu_seqlens=tuple(cu) if isinstance(cu, list) else cu)
+        check_positions(positions, q.shape[1], cp, rank,
+                        cu_seqlens=tuple(cu) if isinstance(cu, list) else cu)
     with torch.enable_grad(), _eager_dispatch():
         if one_device and rows:
             b, s = q.shape[:2]
@@ -245,8 +253,8 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @_attention_op.register_fake
-def _(q, k, v, sinks, cu_seqlens, positions, mask, groups, comm, backend, softcap, causal, window,
-      scale, flags, layout_windows):
+def _(q, k, v, sinks, cu_seqlens, cu_seqlens_k, positions, mask, groups, comm, backend, softcap,
+      causal, window, scale, flags, layout_windows):
     b, s, hq = q.shape[:3]
     out = q.new_empty((b, s, hq, v.shape[-1]))
     one_device = flags[6]
@@ -291,7 +299,8 @@ _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 def _setup_context(ctx, inputs, output):
     q, k, v, sinks = inputs[:4]
-    flags = inputs[14]
+    flags = inputs[-2]                          # then layout_windows, the last input
+    ctx.inputs = len(inputs)
     ctx.shapes = list(q.shape) + list(k.shape) + list(v.shape)
     if sinks is not None:       # its shape, then its dtype's index in _DTYPES
         ctx.shapes += list(sinks.shape) + [_DTYPES.index(sinks.dtype)]
@@ -304,7 +313,7 @@ def _backward(ctx, dout, dlse, dhandle):
     (handle,) = ctx.saved_tensors
     dq, dk, dv, ds = torch.ops.cp_softcap.attention_backward(handle, dout, dlse, ctx.shapes,
                                                              ctx.grads)
-    return (dq, dk, dv, ds if ctx.has_sinks else None) + (None,) * 13
+    return (dq, dk, dv, ds if ctx.has_sinks else None) + (None,) * (ctx.inputs - 4)
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -314,16 +323,16 @@ _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 def compiled_attention(q, k, v, *, group_names_: str, comm: str, backend, softcap, causal,
                        window, scale, cu_seqlens, one_device: bool, sinks=None, positions=None,
-                       mask=None):
+                       mask=None, cu_seqlens_k=None):
     """(out, lse) through the operators; lse is empty for a CP call. Called while dynamo traces.
-    positions, mask: HF's position ids and 2-D attention mask, read inside the operator (module
-    docstring), or None."""
+    positions, mask, cu_seqlens_k: HF's position ids, 2-D attention mask and key boundaries (a
+    tensor equal to cu_seqlens), read inside the operator (module docstring), or None."""
     grad = torch.is_grad_enabled()
     grads = [grad and t is not None and t.requires_grad for t in (q, k, v, sinks)]
     cu, layout, lw = _boundaries(cu_seqlens)
     flags = grads + [softcap is not None, scale is not None, one_device, layout]
     out, lse, _ = torch.ops.cp_softcap.attention(
-        q, k, v, sinks, cu, positions, mask, group_names_, comm, backend_key(backend),
+        q, k, v, sinks, cu, cu_seqlens_k, positions, mask, group_names_, comm, backend_key(backend),
         0.0 if softcap is None else float(softcap), bool(causal),
         _flat_windows([window if window is not None else (None, None)]),
         0.0 if scale is None else float(scale), flags, lw)

@@ -30,6 +30,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from .memo import TensorMemo
 from .spec import Window, normalize_window
 
 CHUNK_CHOICES = (2, 4, 8, 16)           # chunks per rank the layout may use
@@ -383,20 +384,26 @@ def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     return starts
 
 
-def boundaries_from_positions(position_ids: torch.Tensor, rows: int) -> Optional[torch.Tensor]:
+_FROM_POSITIONS = TensorMemo()
+
+
+def boundaries_from_positions(position_ids: torch.Tensor, rows: int) -> Optional[Tuple[int, ...]]:
     """The documents of `rows` batch rows joined into one stream, from the resets of
     position_ids ([1 or rows, S], or [S]; document_starts: a new document at every row and
-    wherever the position does not grow by 1): boundaries [0, ..., rows * S] (int64, on
-    position_ids' device), or None when no row restarts (an ordinary batch, attended row by
-    row)."""
+    wherever the position does not grow by 1): boundaries (0, ..., rows * S), or None when no
+    row restarts (an ordinary batch, attended row by row). Read once per forward, not per
+    layer (memo.TensorMemo)."""
+    return _FROM_POSITIONS.get(position_ids, rows, lambda: _from_positions(position_ids, rows))
+
+
+def _from_positions(position_ids: torch.Tensor, rows: int) -> Optional[Tuple[int, ...]]:
     pos = position_ids.reshape(-1, position_ids.shape[-1])
     starts = document_starts(pos)
     if not bool(starts[:, 1:].any()):
         return None
     sq = pos.shape[-1]
     starts = starts.expand(rows, sq).reshape(-1)
-    end = torch.tensor([rows * sq], device=starts.device)
-    return torch.cat([starts.nonzero().flatten(), end])
+    return tuple(starts.nonzero().flatten().tolist()) + (rows * sq,)
 
 
 def doc_positions(cu: Sequence[int], pos: torch.Tensor) -> torch.Tensor:

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-import weakref
-
 import torch
 import torch.distributed as dist
 
 from .documents import PackedLayout, packed_layout, padded_len
+from .memo import TensorMemo
 from .spec import check_zigzag_length, fits_zigzag  # noqa: F401 (fits_zigzag: public here)
 
 
@@ -92,37 +91,37 @@ def positions(seq_len: int, cp: int, rank: int, device=None, *, cu_seqlens=None)
     return shard(torch.arange(seq_len, device=device), cp, rank, dim=0)
 
 
-_CHECKED: dict = {}
+_CHECKED = TensorMemo()
 
 
-def check_positions(position_ids: torch.Tensor, cp: int, rank: int, *, cu_seqlens=None) -> None:
-    """Raise ValueError unless position_ids [..., S/cp] (every row) are positions(S, cp, rank,
-    cu_seqlens=): the positions the attention masks by and RoPE rotates with. cu_seqlens: the
-    GLOBAL boundaries (list, tuple or PackedLayout) or None for the zigzag layout.
-
-    Every layer of one forward passes the same tensor: it is checked once (a weak reference and
-    its version counter, so a new tensor reusing a freed one's memory, or one changed in place,
-    is checked again; the boundaries by value)."""
-    sq = position_ids.shape[-1]
-    key = (position_ids._version, sq, cp, rank, cu_seqlens)
-    remember = cu_seqlens is None or isinstance(cu_seqlens, (tuple, PackedLayout))
-    last = _CHECKED.get("last")
-    if remember and last is not None and last[0]() is position_ids and last[1] == key:
+def check_positions(position_ids: torch.Tensor, local_len: int, cp: int, rank: int, *,
+                    cu_seqlens=None) -> None:
+    """Raise ValueError unless position_ids [..., local_len] (every row) are positions(local_len
+    * cp, cp, rank, cu_seqlens=): the positions the attention masks by and RoPE rotates with.
+    cu_seqlens: the GLOBAL boundaries (a tuple of ints or a PackedLayout; a list or tensor is
+    read again at every call) or None for the zigzag layout. Every layer of one forward passes
+    the same tensor: it is read once (memo.TensorMemo)."""
+    if not isinstance(cu_seqlens, (type(None), tuple, PackedLayout)):
+        _check_positions(position_ids, local_len, cp, rank, cu_seqlens)
         return
-    pos = position_ids.reshape(-1, sq)
-    expected = positions(sq * cp, cp, rank, device=position_ids.device, cu_seqlens=cu_seqlens)
-    if not (sq == expected.shape[-1] and bool((pos == expected).all())):
+    _CHECKED.get(position_ids, (local_len, cp, rank, cu_seqlens),
+                 lambda: _check_positions(position_ids, local_len, cp, rank, cu_seqlens))
+
+
+def _check_positions(position_ids, local_len, cp, rank, cu_seqlens) -> None:
+    pos = position_ids.reshape(-1, position_ids.shape[-1])
+    expected = positions(local_len * cp, cp, rank, device=position_ids.device, cu_seqlens=cu_seqlens)
+    if not (pos.shape[-1] == local_len == expected.shape[-1] and bool((pos == expected).all())):
         what = ("" if cu_seqlens is None else ", cu_seqlens=cu_global") + ")"
         raise ValueError(
             f"rank {rank}: position_ids {tuple(position_ids.shape)} (first row starts "
-            f"{pos[0, :4].tolist()}) are not cp_softcap.sharding.positions({sq * cp}, cp={cp}, "
-            f"rank={rank}{what}; cp_softcap masks by position and RoPE needs them. Under CP pass "
+            f"{pos[0, :4].tolist()}) are not cp_softcap.sharding.positions({local_len * cp}, "
+            f"cp={cp}, rank={rank}{what} for this rank's {local_len} tokens; cp_softcap masks by "
+            "position and RoPE needs them. Under CP pass "
             "position_ids=cp_softcap.sharding.positions(S, cp, rank)[None] with the zigzag-sharded "
             "input_ids; for packed documents pass the GLOBAL boundaries too: model(..., "
             "cu_seqlens=cu_global, position_ids=positions(S, cp, rank, cu_seqlens=cu_global)[None]), "
             "with the shards from cp_softcap.sharding.shard(..., cu_seqlens=cu_global).")
-    if remember:
-        _CHECKED["last"] = (weakref.ref(position_ids), key)
 
 
 def gather(x_local: torch.Tensor, group=None, dim: int = 1, *, cu_seqlens=None) -> torch.Tensor:

@@ -168,6 +168,12 @@ def padding_mask_error(shape) -> ValueError:
         "padding needs no mask as long as the padded labels are -100; or pack sequences without pads.")
 
 
+def different_boundaries_error() -> ValueError:
+    """The refusal of HF's cu_seq_lens_k when it differs from cu_seq_lens_q."""
+    return ValueError("attn_implementation='cp_softcap' got cu_seq_lens_q != cu_seq_lens_k: packed "
+                      "documents need queries and keys over the same stream")
+
+
 def alignment_error(q, k, causal: bool, window) -> ValueError:
     """The refusal of an unaligned call (see unaligned), with the reason and the fix."""
     sq, sk = q.shape[1], k.shape[1]

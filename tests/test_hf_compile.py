@@ -9,6 +9,7 @@ tests_dist/test_hf_packed_cp.py."""
 import pytest
 import torch
 
+from hf_models import gemma2_pair
 from test_hf_packed import LENGTHS, documents, models, per_document
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install -e '.[gemma2]')")
@@ -129,3 +130,70 @@ def test_gpt_oss_sinks_compiled_with_packed_rows():
     got, want = _run(compiled, g, input_ids=ids, position_ids=pos), _run(ours, g, input_ids=ids, position_ids=pos)
     _same(got, want, 1e-5)
     assert any(n.endswith("sinks") and w.abs().max() > 0 for n, w in want[1].items())
+
+
+def test_different_key_boundaries_refused_compiled():
+    _, ours = models()
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    _, ids, pos = _packed_inputs(1)
+    ends = torch.tensor(LENGTHS).cumsum(0)
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(torch.int32)
+    cu_k = cu_q.clone()
+    cu_k[1] += 1
+    kw = dict(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu_q, max_length_q=max(LENGTHS),
+              max_length_k=max(LENGTHS))
+    for model in (ours, compiled):
+        with pytest.raises(ValueError, match="cu_seq_lens_q != cu_seq_lens_k"):
+            model(cu_seq_lens_k=cu_k, **kw)
+
+
+def test_joined_rows_lse_through_the_operator():
+    """The operator joins rows whose positions restart into one stream and hands back out and
+    LSE in the rows' shapes: both equal the library's packed call on the joined stream."""
+    import cp_softcap as cps
+    from cp_softcap.compiled import compiled_attention
+    torch.manual_seed(3)
+    b, s, hq, hkv, d = 2, 24, 4, 2, 8
+    q = torch.randn(b, s, hq, d, dtype=torch.float64)
+    k, v = (torch.randn(b, s, hkv, d, dtype=torch.float64) for _ in range(2))
+    pos = torch.cat([torch.arange(10), torch.arange(14)])[None]
+
+    def call(q, k, v, pos):
+        return compiled_attention(q, k, v, group_names_="", comm="ring", backend="auto", softcap=5.0,
+                                  causal=True, window=(6, 0), scale=None, cu_seqlens=None,
+                                  one_device=True, positions=pos)
+    out, lse = torch.compile(call, fullgraph=True, backend="aot_eager")(q, k, v, pos)
+    joined = [t.reshape(1, b * s, *t.shape[2:]) for t in (q, k, v)]
+    ref_out, ref_lse = cps.attention(*joined, softcap=5.0, window=(6, 0), return_lse=True,
+                                     cu_seqlens=[0, 10, 24, 34, 48])
+    torch.testing.assert_close(out, ref_out.reshape(b, s, hq, d), rtol=0, atol=0)
+    torch.testing.assert_close(lse, ref_lse.reshape(hq, b, s).transpose(0, 1), rtol=0, atol=0)
+
+
+@pytest.fixture
+def group_of_one():
+    import os
+    import tempfile
+    import torch.distributed as dist
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rdzv')}",
+                                rank=0, world_size=1)
+        try:
+            yield dist.group.WORLD
+        finally:
+            hf_int.use_cp_group(None)
+            dist.destroy_process_group()
+
+
+def test_group_of_one_rank_is_one_device(group_of_one):
+    """A CP group of one rank (DP-only runs) is one device: generation over a KV cache (queries
+    shorter than keys) works as without a group, and the compiled model equals eager."""
+    eager, ours = gemma2_pair()
+    eager.eval(), ours.eval()
+    hf_int.use_cp_group(group_of_one)
+    ids = torch.randint(0, 97, (1, 12))
+    kw = dict(max_new_tokens=4, do_sample=False)
+    assert torch.equal(eager.generate(ids, **kw), ours.generate(ids, **kw))
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(input_ids=ids).logits, ours(input_ids=ids).logits,
+                               rtol=1e-6, atol=1e-6)

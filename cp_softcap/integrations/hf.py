@@ -39,7 +39,8 @@ Masks: causal and sliding-window masking happen inside cp_softcap from global po
 [S, S] mask is ever materialised. HF would silently DROP a user's 2-D padding mask for an
 attention implementation it has no mask function for, so a mask function is registered too
 (`_mask_function`): it returns None for no mask or an all-ones mask and refuses padding masks
-and model-specific mask changes. A dense 4-D mask reaches the attention function and is refused
+and model-specific mask changes (under torch.compile the 2-D mask goes on to the library's
+operator, which refuses a padding mask there with the same error). A dense 4-D mask reaches the attention function and is refused
 there, as is attention dropout.
 
 Keywords: the attention function implements `scaling`, `softcap`, `sliding_window`,
@@ -66,7 +67,7 @@ from ..groups import check_member, resolve_groups
 from ..plan_cache import boundary_values, weak
 from ..selector import check_backend
 from ..sharding import check_positions
-from ..spec import check_comm, mask_is_empty, padding_mask_error
+from ..spec import check_comm, different_boundaries_error, mask_is_empty, padding_mask_error
 
 NAME = "cp_softcap"
 _CONFIG = {"group": None, "comm": "ring", "backend": "auto"}
@@ -142,8 +143,9 @@ def _boundaries(b: int, sq: int, sk: int, position_ids, kwargs, traced: bool = F
     if cu is None and kwargs.get("cu_seq_lens_q") is not None:
         joined = True
         cu, cu_k = kwargs["cu_seq_lens_q"], kwargs.get("cu_seq_lens_k")
-        if cu_k is not None:
-            _check_same_boundaries(cu, cu_k, traced)
+        if cu_k is not None and not traced:     # traced: compared inside the operator
+            if not torch.equal(torch.as_tensor(cu).cpu(), torch.as_tensor(cu_k).cpu()):
+                raise different_boundaries_error()
     if cu is not None:
         if sq != sk:
             raise ValueError(f"packed documents (cu_seqlens) with query length {sq} != key length "
@@ -159,21 +161,10 @@ def _boundaries(b: int, sq: int, sk: int, position_ids, kwargs, traced: bool = F
     return found, found is not None
 
 
-def _check_same_boundaries(cu_q, cu_k, traced: bool) -> None:
-    msg = ("attn_implementation='cp_softcap' got cu_seq_lens_q != cu_seq_lens_k: packed documents "
-           "need queries and keys over the same stream")
-    if not traced:
-        if not torch.equal(torch.as_tensor(cu_q).cpu(), torch.as_tensor(cu_k).cpu()):
-            raise ValueError(msg)
-        return
-    cu_q, cu_k = torch.as_tensor(cu_q), torch.as_tensor(cu_k)
-    if cu_q.shape != cu_k.shape:
-        raise ValueError(msg)
-    torch._assert_async((cu_q == cu_k.to(cu_q.device)).all(), msg)    # in the graph: no sync
-
-
 def _mask_function(*args, attention_mask=None, use_vmap: bool = False, **kwargs):
-    """transformers mask hook for "cp_softcap": validates, builds nothing (returns None)."""
+    """transformers mask hook for "cp_softcap": builds nothing. It returns None for no mask or
+    an all-ones one and refuses any other; under torch.compile it returns a 2-D mask as it is,
+    for the attention function to hand to the library's operator, which reads it there."""
     if use_vmap:
         raise ValueError("this model changes the causal mask with extra mask functions (e.g. bidirectional "
                          "image tokens); attn_implementation='cp_softcap' applies only causal and "
@@ -259,7 +250,7 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                          "boundaries: model(..., cu_seqlens=cu_global), identical on every rank")
     if compiling():
         return _traced(q, k, v, group, comm, cp, position_ids, traced_mask, kwargs, options), None
-    if cp == 1:
+    if cp == 1:                        # no CP group, or one of one rank (DP-only runs too)
         cu, joined = _boundaries(q.shape[0], sq, sk, position_ids, kwargs)
         if cu is not None:
             b = q.shape[0]
@@ -267,7 +258,6 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                 q, k, v = (t.reshape(1, b * t.shape[1], *t.shape[2:]) for t in (q, k, v))
             out = attention(q, k, v, cu_seqlens=cu, **options)
             return out.reshape(b, sq, *out.shape[2:]), None
-    if group is None:                  # no CP group set: plain attention (DP-only runs too)
         # generation with a KV cache: the new queries are the LAST positions of the keys
         # (HF's cache_position), which is bottom-right alignment
         return attention(q, k, v, causal_align="bottom_right", **options), None
@@ -276,8 +266,8 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         # read once (a device sync for a CUDA tensor): the position check and the call share it
         values = boundary_values(cu)
         cu = cu if values is None else values
-    if position_ids is not None and cp > 1:
-        check_positions(position_ids, cp, rank, cu_seqlens=cu)
+    if position_ids is not None:
+        check_positions(position_ids, sq, cp, rank, cu_seqlens=cu)
     out = cp_attention(q, k, v, group, comm=comm, cu_seqlens=cu, **options)
     return out, None
 
@@ -295,8 +285,10 @@ def _traced(q, k, v, group, comm, cp, position_ids, mask, kwargs, options):
         if joined:                     # the rows joined into one packed stream
             q, k, v = (t.reshape(1, b * t.shape[1], *t.shape[2:]) for t in (q, k, v))
         pos = position_ids if cu is None and sq == sk and sq >= 2 else None
+        cu_k = kwargs.get("cu_seq_lens_k") if joined else None
         out, _ = compiled_attention(q, k, v, group_names_="", comm="ring", cu_seqlens=cu,
                                     one_device=True, sinks=sinks, positions=pos, mask=mask,
+                                    cu_seqlens_k=None if cu_k is None else torch.as_tensor(cu_k),
                                     **options)
         return out.reshape(b, sq, *out.shape[2:])
     out, _ = compiled_attention(q, k, v, group_names_=group_names(group, comm), comm=comm,
