@@ -18,7 +18,9 @@ without any: a gap to cuDNN splits into the document structure's share (nocap), 
 and the library's. The rows "cudnn-varlen" and "flash-varlen" are PyTorch's own varlen kernels
 (SDPA on nested tensors, no cap) on the same documents: what the best uncapped kernels reach on
 this document structure. The row "library-only" runs the library with a kernel that does no
-work (FreeKernel): the library's own time per call. Writes packed_kernels[_tag].json and .png.
+work (FreeKernel): the library's own time per call. The rows "fa4-call" and
+"fa4-call-expanded-bwd" time the library's FA4 kernel as one varlen call with its GQA backward
+as it is and on K/V repeated to the query heads (expanded_backward_call). Writes packed_kernels[_tag].json and .png.
 """
 from __future__ import annotations
 
@@ -44,6 +46,9 @@ from benchmarks.packing_balance import mix                            # noqa: E4
 MIXES = ("long-tail", "short")
 RAW = {"fa4-kernel": True, "fa4-kernel-nocap": False}     # FA4 alone: with --softcap or none
 NJT = ("cudnn-varlen", "flash-varlen")      # PyTorch's own varlen kernels (no cap), via SDPA
+# the library's FA4 kernel as one varlen call: its backward on the KV heads, or on K/V repeated
+# to the query heads with dK/dV summed over each group (expanded_backward_call)
+EXPANDED = {"fa4-call": False, "fa4-call-expanded-bwd": True}
 FREE = "library-only"                       # the library's time around the calls, kernel excluded
 
 
@@ -107,6 +112,34 @@ def fa4_raw_call(q, k, v, cu, softcap, backward: bool):
     return run
 
 
+def expanded_backward_call(q, k, v, cu, softcap, backward: bool, expand: bool, kernel=None):
+    """The library's FA4 kernel (kernels/fa4.py) on the stream as one varlen call, forward on
+    the KV heads (FA4 packs a group's query heads into one tile), backward on them too or, with
+    expand, on K/V repeated to the query heads, dK/dV then summed over each group. Under GQA
+    FA4's backward sums dK/dV across a group's heads in float32 accumulators (zeroed, added to
+    by every head's CTA, converted at the end): passes over every key token that weigh most on
+    short documents (the tile model's "memory" share). Expanded, it writes each head's dK/dV
+    directly, for the price of a copy of K/V and a sum over the group: which wins is measured.
+    kernel: the FA4 kernel (a stand-in for the CPU test). run() returns out, or (dq, dk, dv)."""
+    from cp_softcap.kernels import get_kernel
+    from cp_softcap.kernels.base import Segments
+    kern, rep = kernel or get_kernel("fa4"), q.shape[2] // k.shape[2]
+    kw = dict(scale=q.shape[-1] ** -0.5, softcap=softcap, window=(None, 0),
+              segments=Segments(tuple(cu), tuple(cu)))
+    dout = torch.randn_like(q)
+
+    def run():
+        out, lse = kern.forward(q, k, v, **kw)
+        if not backward:
+            return out
+        if not expand:
+            return kern.backward(dout, q, k, v, out, lse, **kw)
+        kr, vr = (t.repeat_interleave(rep, dim=2) for t in (k, v))
+        dq, dk, dv = kern.backward(dout, q, kr, vr, out, lse, **kw)
+        return dq, *(g.view(*k.shape[:3], rep, -1).sum(3) for g in (dk, dv))
+    return run
+
+
 def njt_call(q, k, v, cu, backend: str, backward: bool, causal: bool = True):
     """PyTorch SDPA on nested (jagged) tensors of the same documents with one backend: cuDNN's
     or flash-attn 2's varlen kernel as PyTorch ships it, causal, no softcap (SDPA has none) and
@@ -155,9 +188,11 @@ def main(argv=None) -> int:
     p.add_argument("--total", type=int, default=131072, help="tokens in the packed stream")
     p.add_argument("--mixes", nargs="+", default=list(MIXES), choices=MIXES)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--kernels", nargs="+", default=["fa4", *RAW, *NJT, "fa2", "flex", FREE],
+    p.add_argument("--kernels", nargs="+", default=["fa4", *RAW, *EXPANDED, *NJT, "fa2", "flex", FREE],
                    help=f"library backends; {' / '.join(RAW)}: FA4's varlen function alone, "
-                        f"with the library's softcap or none; {' / '.join(NJT)}: PyTorch SDPA's "
+                        f"with the library's softcap or none; {' / '.join(EXPANDED)}: the library's "
+                        "FA4 kernel as one call, its GQA backward as it is or on K/V repeated to "
+                        f"the query heads; {' / '.join(NJT)}: PyTorch SDPA's "
                         f"varlen kernels on nested tensors (no cap); {FREE}: the library with a "
                         "kernel that does no work (its own time per call)")
     p.add_argument("--softcap", type=float, default=50.0)
@@ -199,7 +234,7 @@ def main(argv=None) -> int:
                     rec = dict(model=model, mix=kind, docs=len(cu) - 1, kernel=name, mode=mode,
                                total=a.total, area=area, softcap=a.softcap)
                     reason = (None if name in NJT or name == FREE else
-                              rejection("fa4" if name in RAW else name, spec))
+                              rejection("fa4" if name in RAW or name in EXPANDED else name, spec))
                     if reason:
                         records.append({**rec, "skipped": reason})
                         rows.append([model, kind, len(cu) - 1, name, mode, "skip", reason[:40], ""])
@@ -207,6 +242,8 @@ def main(argv=None) -> int:
                     try:
                         if name in RAW:
                             call = fa4_raw_call(q, k, v, cu, a.softcap if RAW[name] else None, bwd)
+                        elif name in EXPANDED:
+                            call = expanded_backward_call(q, k, v, cu, a.softcap, bwd, EXPANDED[name])
                         elif name in NJT:
                             call = njt_call(q, k, v, cu, name.split("-")[0], bwd)
                             ref = cps.attention(q, k, v, causal=True, cu_seqlens=cu)[0, :cu[-1]]
