@@ -40,8 +40,8 @@ Masks: causal and sliding-window masking happen inside cp_softcap from global po
 attention implementation it has no mask function for, so a mask function is registered too
 (`_mask_function`): it returns None for no mask or an all-ones mask and refuses padding masks
 and model-specific mask changes (under torch.compile the 2-D mask goes on to the library's
-operator, which refuses a padding mask there with the same error). A dense 4-D mask reaches the attention function and is refused
-there, as is attention dropout.
+operator, which refuses a padding mask there with the same error). A dense 4-D mask reaches
+the attention function and is refused there, as is attention dropout.
 
 Keywords: the attention function implements `scaling`, `softcap`, `sliding_window`,
 `is_causal`, `s_aux` (gpt-oss's learned attention sinks, [Hq]: passed to the library as
