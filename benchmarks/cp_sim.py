@@ -9,9 +9,10 @@ S = 32K and 128K, for several CP_SOFTCAP_RING_BLOCK_KEYS values.
 
 ratio = per-rank time * cp / full-attention time (1.0 = perfect; communication not included).
 The rank's calls come from cp_softcap.layout (plan_step for the self step, ring_blocks +
-block_plan for the received blocks: consecutive fully visible steps coalesced into one call over
-their concatenated keys) and run through cp_softcap.cp.ring.forward_calls / backward_calls, on
-random K/V blocks of the sizes the ring would receive. Backward: prepare_backward once, each
+block_plan for the received blocks: calls over the same rows whose keys lie back to back in the
+block buffer coalesced into one call, fully visible or, under a window, globally contiguous)
+and run through cp_softcap.cp.ring.forward_calls / backward_calls, on random K/V blocks of the
+sizes the ring would receive. Backward: prepare_backward once, each
 call's kernel backward with the final merged (O, LSE), float32 dQ, per-block dK/dV partials in
 the dtype the ring returns them (ring.return_dtype), plus the adds of the partials other ranks
 would return. Writes benchmarks/results/cp_sim[_tag].json and .png (a dry run: into $OUT or a new

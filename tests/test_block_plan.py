@@ -67,15 +67,21 @@ def covered(cp: int, rank: int, chunk: int, window, blocks):
             pairs[gq(i), global_pos(cp, rank, chunk, j)] += 1
     for steps in blocks:
         slots, calls = block_plan(cp, rank, chunk, window, tuple(steps))
-        # slots: one per step with visible keys, in step order, packed back to back
-        expect, off = [], 0
+        # slots: one per step with visible keys, packed back to back in step order, or with a
+        # bounded left window in the global order of their first keys
+        found = []
         for s in steps:
             src = (rank - s) % cp
             kr = key_range(cp, rank, src, chunk, window)
             assert (kr is not None) == needs(cp, chunk, window)[rank][src]
             if kr is not None:
-                expect.append((s, src, kr[0], kr[1], off))
-                off += kr[1] - kr[0]
+                found.append((s, src, kr[0], kr[1]))
+        if window[0] is not None:
+            found.sort(key=lambda f: global_pos(cp, f[1], chunk, f[2]))
+        expect, off = [], 0
+        for s, src, k0, k1 in found:
+            expect.append((s, src, k0, k1, off))
+            off += k1 - k0
         assert [(sl.step, sl.src, sl.k0, sl.k1, sl.off) for sl in slots] == expect
         owner = {}                           # buffer index -> (src, src local key)
         for sl in slots:
@@ -174,3 +180,16 @@ def test_full_steps_coalesce():
     slots, calls = block_plan(cp, 3, chunk, (None, 0), (1, 2, 3))
     assert all(sl.k1 - sl.k0 == chunk for sl in slots)     # earlier ranks send only chunk a
     assert calls == (PairCall(0, 2 * chunk, 0, 3 * chunk, (None, None)),)
+
+
+def test_window_neighbours_merge_into_one_call_per_query_chunk():
+    """Gemma2's local layers (window (4095, 0)) at 32K, cp 8, one block: a query chunk's earlier
+    neighbours come from different ranks but lie back to back in the buffer, so each query chunk
+    reads them in one call (4 calls per middle rank otherwise); still exactly once per pair
+    (the brute-force checks above run the same code on small chunks)."""
+    cp, chunk, steps = 8, 2048, tuple(range(1, 8))
+    counts = [len(block_plan(cp, r, chunk, (4095, 0), steps)[1]) for r in range(cp)]
+    assert counts == [1, 2, 2, 2, 2, 2, 2, 2], counts
+    _, calls = block_plan(cp, 3, chunk, (4095, 0), steps)
+    assert [c.q1 - c.q0 for c in calls] == [chunk, chunk]          # whole query chunks
+    assert all(c.k1 - c.k0 == 2 * chunk - 1 for c in calls)       # two neighbours, trimmed

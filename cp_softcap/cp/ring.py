@@ -10,8 +10,9 @@ directly.
 
 Steps are grouped into blocks (plan.seq.blocks from layout.ring_blocks, about
 CP_SOFTCAP_RING_BLOCK_KEYS keys each, the same blocks on every rank). A block's K/V land in one
-buffer and its fully visible pairs run as one long kernel call (layout.block_plan); the next
-block is in flight while one computes.
+buffer and calls over the same rows whose keys lie back to back there run as one long kernel
+call (layout.block_plan: fully visible pairs, and windowed ones with globally contiguous keys);
+the next block is in flight while one computes.
 
 Forward merges every partial into ONE float32 accumulator (LSE merge). Backward re-fetches the
 K/V, calls each pair's kernel backward with the final merged out/LSE (exact: docs/kernels.md),
