@@ -42,3 +42,18 @@ def pytest_runtest_setup(item):
     reason = gpu_skip_reason(item)
     if reason:
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def gloo_group_of_one():
+    """torch.distributed initialised in this process as one gloo rank (file rendezvous in a
+    temporary folder) for the tests of one module; its WORLD group."""
+    import tempfile
+    import torch.distributed as dist
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rdzv')}",
+                                rank=0, world_size=1)
+        try:
+            yield dist.group.WORLD
+        finally:
+            dist.destroy_process_group()

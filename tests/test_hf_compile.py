@@ -170,30 +170,18 @@ def test_joined_rows_lse_through_the_operator():
     torch.testing.assert_close(lse, ref_lse.reshape(hq, b, s).transpose(0, 1), rtol=0, atol=0)
 
 
-@pytest.fixture
-def group_of_one():
-    import os
-    import tempfile
-    import torch.distributed as dist
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rdzv')}",
-                                rank=0, world_size=1)
-        try:
-            yield dist.group.WORLD
-        finally:
-            hf_int.use_cp_group(None)
-            dist.destroy_process_group()
-
-
-def test_group_of_one_rank_is_one_device(group_of_one):
+def test_group_of_one_rank_is_one_device(gloo_group_of_one):
     """A CP group of one rank (DP-only runs) is one device: generation over a KV cache (queries
     shorter than keys) works as without a group, and the compiled model equals eager."""
     eager, ours = gemma2_pair()
     eager.eval(), ours.eval()
-    hf_int.use_cp_group(group_of_one)
+    hf_int.use_cp_group(gloo_group_of_one)
     ids = torch.randint(0, 97, (1, 12))
     kw = dict(max_new_tokens=4, do_sample=False)
-    assert torch.equal(eager.generate(ids, **kw), ours.generate(ids, **kw))
-    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(compiled(input_ids=ids).logits, ours(input_ids=ids).logits,
-                               rtol=1e-6, atol=1e-6)
+    try:
+        assert torch.equal(eager.generate(ids, **kw), ours.generate(ids, **kw))
+        compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(input_ids=ids).logits, ours(input_ids=ids).logits,
+                                   rtol=1e-6, atol=1e-6)
+    finally:
+        hf_int.use_cp_group(None)

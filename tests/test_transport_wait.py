@@ -2,26 +2,17 @@
 (no timeout argument, which would block the host thread) for CUDA tensors over NCCL; every
 failure re-raised naming the op and the rank. One gloo process; the NCCL branch is chosen by
 patching the device test, since the decision, not NCCL itself, is what is checked here."""
-import os
-import tempfile
 from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from cp_softcap import transport
 
 
 @pytest.fixture(scope="module")
-def group():
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rdzv')}",
-                                rank=0, world_size=1)
-        try:
-            yield dist.group.WORLD
-        finally:
-            dist.destroy_process_group()
+def group(gloo_group_of_one):
+    return gloo_group_of_one
 
 
 class FakeWork:
