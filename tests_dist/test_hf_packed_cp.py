@@ -2,7 +2,8 @@
 (gloo, float64): the shards of the packed layout with the GLOBAL boundaries passed as
 model(..., cu_seqlens=cu) give the logits and parameter gradients of each document run alone
 through cp_softcap on one process; ring and a2a, and the ring with the model compiled whole
-(fullgraph=True, the boundaries a tensor); negative controls: the boundaries left out,
+(fullgraph=True, the boundaries a tensor; an unpacked zigzag shard too, against eager); negative
+controls: the boundaries left out,
 and position_ids that are not the packed layout's (left out, or zigzag ones; compiled too)."""
 import os
 import sys
@@ -71,6 +72,14 @@ def _worker(rank, world):
                                   / r.abs().max().clamp_min(1e-30)).item() for n, r in ref_grads.items())
     with pytest.raises(ValueError, match=r"rank \d: position_ids .* are not cp_softcap.sharding.positions"):
         compiled(input_ids=local_ids, position_ids=torch.arange(pos.shape[1])[None], cu_seqlens=cu_t)
+    # and an unpacked zigzag shard (no boundaries): compiled equals eager, its positions checked
+    zig = cps.sharding.shard(torch.randint(0, 97, (1, 32 * world)), world, rank)
+    zpos = cps.sharding.positions(32 * world, world, rank)[None]
+    with torch.no_grad():
+        errs["compiled zigzag"] = (compiled(input_ids=zig, position_ids=zpos).logits
+                                   - ours(input_ids=zig, position_ids=zpos).logits).abs().max().item()
+        with pytest.raises(ValueError, match=r"rank \d: position_ids .* are not cp_softcap.sharding.positions"):
+            compiled(input_ids=zig, position_ids=torch.arange(32)[None])
     # negative control: the packed shards without the global boundaries (a2a: positions unchecked)
     hf_int.use_cp_group(dist.group.WORLD, comm="ring")
     with pytest.raises(ValueError, match="cu_seqlens=cu_global"):
@@ -94,7 +103,9 @@ def test_hf_gemma2_packed_under_cp():
     pytest.importorskip("transformers", reason="needs transformers (pip install -e '.[gemma2]')")
     errs = run_ranks(_worker, 2, timeout=150)[0]
     print(errs)
-    assert set(errs) == {f"{c} {w}" for c in ("ring", "a2a", "compiled") for w in ("logits", "grads")}
+    assert set(errs) == {f"{c} {w}" for c in ("ring", "a2a", "compiled") for w in ("logits", "grads")} | {
+        "compiled zigzag"}
+    assert errs.pop("compiled zigzag") <= 1e-12, errs
     # logits: float64 throughout; gradients: Gemma2's RMSNorm reduces in float32
     assert all(v <= 1e-10 for k, v in errs.items() if "logits" in k), errs
     assert all(v <= 1e-6 for k, v in errs.items() if "grads" in k), errs
