@@ -18,8 +18,11 @@ the dtype the ring returns them (ring.return_dtype), plus the adds of the partia
 would return. Writes benchmarks/results/cp_sim[_tag].json and .png (a dry run: into $OUT or a new
 temporary folder, never into the tracked results).
 
---packed MIX: a packed stream of documents (MIX = longtail: lengths 16..32K log-uniform, or
-short: 64..2K; benchmarks/packing_balance.mix, seed 0, so the same streams as that benchmark).
+--packed MIX: a packed stream of documents (MIX = longtail: lengths 16..32K log-uniform,
+short: 64..2K, or single: one document; benchmarks/packing_balance.mix, seed 0, so the same
+streams as that benchmark). --chunks-per-rank M ... adds the library's layout with M chunks per
+rank (fewer, longer calls against a more even balance); --both-layers balances the layouts for
+causal and windowed layers at once, as Gemma2's training does.
 Every rank of the ring is simulated (the busiest rank sets the step time): its self call
 (doc_geometry.step_calls) and one block per ring step (doc_geometry.block_plan, one step per
 block), run through forward_calls / backward_calls with the kernel's segments=. ideal = the
@@ -58,7 +61,7 @@ from benchmarks._util import OUT_DIR_HELP, out_dir_for, bench_ms, report, save, 
 from benchmarks.plots import plot_json  # noqa: E402
 from cp_softcap import doc_geometry as dgeo                         # noqa: E402
 
-PACKED_MIXES = {"longtail": "long-tail", "short": "short"}   # cp_sim name -> packing_balance kind
+PACKED_MIXES = {"longtail": "long-tail", "short": "short", "single": "single"}   # -> packing_balance kind
 
 
 class _RingRankSim:
@@ -231,10 +234,14 @@ def run_packed(a, kernel, name, hq, hkv, d, dtype, dev) -> int:
     for s in a.seqs:
         cu = tuple(mix(PACKED_MIXES[a.packed], s, 0))
         for cp in a.cps:
-            layouts = {"packed": packed_layout(cu, s, cp, window=window),
+            # --both-layers: balanced for Gemma2's two layer kinds at once, as its training does
+            kinds = dict(layer_windows=[None, window]) if a.both_layers else dict(window=window)
+            layouts = {"packed": packed_layout(cu, s, cp, **kinds),
                        "zigzag": fixed_layout(cu, s, cp, chunks=tuple((r, 2 * cp - 1 - r)
                                                                      for r in range(cp)),
                                               window=window)}
+            for m in a.chunks_per_rank:
+                layouts[f"packed m={m}"] = packed_layout(cu, s, cp, chunks_per_rank=m, **kinds)
             for lname, lay in layouts.items():
                 full = {m: bench_ms(packed_full(kernel, lay.cu_seqlens, lay.seq_len, window, hq,
                                                 hkv, d, dtype, dev, a.softcap, m == "fwd+bwd"),
@@ -543,6 +550,10 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also record device time by kernel (torch.profiler) per row")
     p.add_argument("--tag", default="", help="suffix of the output files: cp_sim_<tag>.json")
+    p.add_argument("--chunks-per-rank", type=int, nargs="*", default=[],
+                   help="--packed: also the library's layout with these chunks per rank")
+    p.add_argument("--both-layers", action="store_true",
+                   help="--packed: layouts balanced for causal and --window layers at once")
     p.add_argument("--packed", choices=sorted(PACKED_MIXES), default=None,
                    help="simulate a packed stream of this document-length mix (every rank)")
     p.add_argument("--per-call", action="store_true",

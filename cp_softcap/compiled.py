@@ -27,8 +27,9 @@ Everything the compiler sees as an argument is a tensor, an int, a float, a bool
 the process group travels by its registered name (as torch's functional collectives pass it),
 a backend Kernel instance by a key registered outside the compiled region (CPAttention does it
 when built; or register_kernel), packed boundaries as a tensor (a PackedLayout: its
-`boundaries` tensor and its layer windows; the operator rebuilds the same layout). What
-recompiles: dynamo guards on the Python values of the options (softcap, window, comm, ...),
+`compiled_form`, the boundaries followed by its chunks per rank, and its layer windows; the
+operator rebuilds the same layout). What recompiles: dynamo guards on the Python values of the options
+(softcap, window, comm, ...),
 which are fixed per layer; boundaries given as a list are Python values too, so a list of a
 new length recompiles, while a tensor (or a PackedLayout) of a new length recompiles once
 (dynamic after that) and new values never do.
@@ -217,7 +218,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if cu_seqlens is not None:
         cu = [int(x) for x in cu_seqlens.tolist()]
         if layout:
-            cu = _layout(cu, q.shape[1], groups, layout_windows)
+            cu = _layout(cu[:-1], cu[-1], q.shape[1], groups, layout_windows)
     if mask is not None and not _MASKS.get(mask, None, lambda: mask_is_empty(mask)):
         raise padding_mask_error(mask.shape)        # a 2-D mask (HF's) with zeros
     if cu_seqlens_k is not None and cu_seqlens_k.tolist() != cu_seqlens.tolist():
@@ -344,18 +345,22 @@ def _boundaries(cu_seqlens):
     if cu_seqlens is None:
         return None, False, []
     if isinstance(cu_seqlens, PackedLayout):
-        return cu_seqlens.boundaries, True, _flat_windows(cu_seqlens.windows)
+        # its boundaries and chunks per rank as one tensor: new values never recompile
+        return cu_seqlens.compiled_form, True, _flat_windows(cu_seqlens.windows)
     if isinstance(cu_seqlens, torch.Tensor):
         return cu_seqlens, False, []
     return torch.tensor(list(cu_seqlens), dtype=torch.int64), False, []
 
 
-def _layout(cu: List[int], local_len: int, groups: str, flat: List[int]) -> PackedLayout:
-    """The caller's PackedLayout again: packed_layout of the same boundaries, length, ranks and
-    layer windows. The windows are stored normalised, so they are passed as they are
-    (causal=False: nothing is re-normalised; a bidirectional layout stays bidirectional)."""
+def _layout(cu: List[int], chunks_per_rank: int, local_len: int, groups: str,
+            flat: List[int]) -> PackedLayout:
+    """The caller's PackedLayout again: packed_layout of the same boundaries, length, ranks,
+    chunks per rank and layer windows. The windows are stored normalised, so they are passed as
+    they are (causal=False: nothing is re-normalised; a bidirectional layout stays
+    bidirectional)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
     cp = 1
     for name in groups.split(" "):
         cp *= dist.get_world_size(_resolve_process_group(name))
-    return packed_layout(cu, local_len * cp, cp, causal=False, layer_windows=_windows(flat))
+    return packed_layout(cu, local_len * cp, cp, causal=False, layer_windows=_windows(flat),
+                         chunks_per_rank=chunks_per_rank)

@@ -264,9 +264,10 @@ class PackedLayout:
     cp: ranks; windows: the layer windows the balance was computed for (causal: ((None, 0),));
     chunk: tokens per chunk; chunks[r]: global chunk indices of rank r, ascending (rank r's
     local tokens are these chunks concatenated); rank_area[w][r]: visible (q, k) pairs of rank
-    r's queries under windows[w]. `boundaries` holds cu_seqlens as a CPU int64 tensor: what a
-    compiled model reads (its values are data to torch.compile, where a tuple would be
-    constants that recompile)."""
+    r's queries under windows[w]. `compiled_form` holds cu_seqlens followed by the chunks per
+    rank as one CPU int64 tensor: what a compiled model hands the library's operator (its
+    values are data to torch.compile, where a tuple or an int would be constants that
+    recompile)."""
     cu_seqlens: Tuple[int, ...]
     seq_len: int
     cp: int
@@ -275,12 +276,13 @@ class PackedLayout:
     chunks: Tuple[Tuple[int, ...], ...]
     rank_area: Tuple[Tuple[int, ...], ...]
     signature: int = field(default=0)
-    boundaries: Optional[torch.Tensor] = field(default=None, repr=False)
+    compiled_form: Optional[torch.Tensor] = field(default=None, repr=False)
 
     def __post_init__(self):
         key = (cu_hash(self.cu_seqlens), self.seq_len, self.cp, self.windows, self.chunk, self.chunks)
         object.__setattr__(self, "signature", cu_hash(list(_flatten(key))))
-        object.__setattr__(self, "boundaries", torch.tensor(self.cu_seqlens, dtype=torch.int64))
+        object.__setattr__(self, "compiled_form", torch.tensor(
+            self.cu_seqlens + (len(self.chunks[0]),), dtype=torch.int64))
 
     def __hash__(self) -> int:
         return self.signature
@@ -420,11 +422,14 @@ def doc_of(cu: Tuple[int, ...], t: int) -> int:
 
 
 def packed_layout(cu_seqlens, seq_len: int, cp: int, *, causal: bool = True, window=None,
-                  layer_windows: Optional[Sequence] = None, rank=None) -> PackedLayout:
+                  layer_windows: Optional[Sequence] = None, rank=None,
+                  chunks_per_rank: Optional[int] = None) -> PackedLayout:
     """The packed layout of a stream of `seq_len` tokens (>= the last boundary) over `cp` ranks,
     balanced for causal (default) or full attention with `window`; or, with layer_windows (e.g.
     [None, (4095, 0)] for Gemma2's global and local layers), for every listed window at once,
-    each normalised with `causal`. Cached."""
+    each normalised with `causal`. chunks_per_rank: one of CHUNK_CHOICES instead of the
+    smallest within GOOD_ENOUGH (fewer chunks: fewer, longer kernel calls per rank and a less
+    even balance). Cached."""
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp must be a positive int, got {cp!r}")
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
@@ -436,13 +441,20 @@ def packed_layout(cu_seqlens, seq_len: int, cp: int, *, causal: bool = True, win
         raise ValueError(f"layer_windows={layer_windows!r} (with window={window!r}): pass either one "
                          "window, or a non-empty list of every layer kind's window, not both")
     windows = tuple(dict.fromkeys(normalize_window(w, causal) for w in layer_windows))
-    return _layout(cu, padded_len(seq_len, cp), cp, windows)
+    choices = (1,) if cp == 1 else CHUNK_CHOICES
+    if chunks_per_rank is not None:
+        if chunks_per_rank not in choices or isinstance(chunks_per_rank, bool):
+            raise ValueError(f"chunks_per_rank={chunks_per_rank!r} with cp={cp}: choose one of "
+                             f"{choices} (or None for the library's choice)")
+        choices = (chunks_per_rank,)
+    return _layout(cu, padded_len(seq_len, cp), cp, windows, choices)
 
 
 @lru_cache(maxsize=64)
-def _layout(cu: Tuple[int, ...], seq_len: int, cp: int, windows: Tuple[Window, ...]) -> PackedLayout:
+def _layout(cu: Tuple[int, ...], seq_len: int, cp: int, windows: Tuple[Window, ...],
+            choices: Tuple[int, ...]) -> PackedLayout:
     best = None
-    for m in ((1,) if cp == 1 else CHUNK_CHOICES):
+    for m in choices:
         areas = [chunk_areas(cu, seq_len, cp * m, w) for w in windows]
         chunks = assign_chunks(areas, cp)
         load = tuple(tuple(sum(a[c] for c in held) for held in chunks) for a in areas)

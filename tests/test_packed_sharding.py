@@ -191,3 +191,21 @@ def _ratio(cu, layout, window):
     areas = chunk_areas(tuple(cu), layout.seq_len, layout.cp * layout.chunks_per_rank, window)
     loads = [sum(areas[c] for c in h) for h in layout.chunks]
     return max(loads) * len(loads) / sum(loads)
+
+
+def test_chunks_per_rank_chosen_by_the_caller():
+    """packed_layout(..., chunks_per_rank=m): that m (fewer, longer calls per rank than the
+    library's balance-first choice), a round trip through its shards, the layout's compiled
+    form carrying m; other values are refused."""
+    cu, s, cp = [0, 64], 64, 4
+    best = packed_layout(cu, s, cp, layer_windows=[None, (15, 0)])
+    two = packed_layout(cu, s, cp, layer_windows=[None, (15, 0)], chunks_per_rank=2)
+    assert best.chunks_per_rank > 2 and two.chunks_per_rank == 2
+    assert two.imbalance >= best.imbalance
+    x = torch.randn(1, s, 3)
+    shards = [sharding.shard(x, cp, r, cu_seqlens=two) for r in range(cp)]
+    assert torch.equal(sharding.unshard(shards, cu_seqlens=two)[:, :s], x)
+    assert two.compiled_form.tolist() == cu + [2]
+    for bad in (3, 32, 0, True):
+        with pytest.raises(ValueError, match="chunks_per_rank"):
+            packed_layout(cu, s, cp, chunks_per_rank=bad)
