@@ -2,8 +2,8 @@
 opaque, so a block holding CPAttention compiles whole (`fullgraph=True` included) and the
 library's Python (plan, cross-rank check, collectives, kernel calls) runs eagerly inside them.
 
-    cp_softcap::attention           (q, k, v, sinks, cu_seqlens, cu_seqlens_k, positions, mask, options...)
-                                    -> (out, lse, handle)
+    cp_softcap::attention           (q, k, v, sinks, cu_seqlens, cu_seqlens_k, positions, mask,
+                                     options...) -> (out, lse, handle)
     cp_softcap::attention_backward  (handle, dout, dlse, shapes, grads) -> [dq, dk, dv, dsinks]
 
 The forward operator runs the very call an eager model makes (api.cp_attention or
@@ -28,11 +28,10 @@ the process group travels by its registered name (as torch's functional collecti
 a backend Kernel instance by a key registered outside the compiled region (CPAttention does it
 when built; or register_kernel), packed boundaries as a tensor (a PackedLayout: its
 `compiled_form`, the boundaries followed by its chunks per rank, and its layer windows; the
-operator rebuilds the same layout). What recompiles: dynamo guards on the Python values of the options
-(softcap, window, comm, ...),
-which are fixed per layer; boundaries given as a list are Python values too, so a list of a
-new length recompiles, while a tensor (or a PackedLayout) of a new length recompiles once
-(dynamic after that) and new values never do.
+operator rebuilds the same layout). What recompiles: dynamo guards on the Python values of the
+options (softcap, window, comm, ...), which are fixed per layer; boundaries given as a list are
+Python values too, so a list of a new length recompiles, while a tensor (or a PackedLayout) of
+a new length recompiles once (dynamic after that) and new values never do.
 
 `positions` (the HF integration's position_ids) are read inside the operator too, so that no
 layer of a compiled HF model breaks its graph to read them: on one device, without boundaries,
@@ -195,8 +194,7 @@ _RESTORED_KEYS = tuple(
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   sinks: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
                   cu_seqlens_k: Optional[torch.Tensor], positions: Optional[torch.Tensor],
-                  mask: Optional[torch.Tensor], groups: str,
-                  comm: str, backend: str,
+                  mask: Optional[torch.Tensor], groups: str, comm: str, backend: str,
                   softcap: float, causal: bool, window: List[int], scale: float,
                   flags: List[bool], layout_windows: List[int]
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

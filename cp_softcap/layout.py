@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional, Tuple
 
+from .sharding import local_chunks
 from .spec import Window
 
 
@@ -200,8 +201,8 @@ def block_plan(cp: int, rank: int, chunk: int, window: Window, steps: Tuple[int,
 
 
 def _global(cp: int, rank: int, chunk: int, t: int) -> int:
-    """Global position of rank's local token t (zigzag: local chunks r and 2cp-1-r)."""
-    return (rank if t < chunk else 2 * cp - 1 - rank) * chunk + t % chunk
+    """Global position of rank's local token t (zigzag: sharding.local_chunks)."""
+    return local_chunks(cp, rank)[t // chunk] * chunk + t % chunk
 
 
 def _global_range(cp, chunk, slots, k0: int, k1: int):

@@ -254,8 +254,8 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         cu, joined = _boundaries(q.shape[0], sq, sk, position_ids, kwargs)
         if cu is not None:
             b = q.shape[0]
-            if joined:                     # the rows joined into one packed stream
-                q, k, v = (t.reshape(1, b * t.shape[1], *t.shape[2:]) for t in (q, k, v))
+            if joined:
+                q, k, v = _join_rows(q, k, v)
             out = attention(q, k, v, cu_seqlens=cu, **options)
             return out.reshape(b, sq, *out.shape[2:]), None
         # generation with a KV cache: the new queries are the LAST positions of the keys
@@ -272,6 +272,11 @@ def cp_softcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     return out, None
 
 
+def _join_rows(*tensors):
+    """[B, S, ...] -> [1, B * S, ...]: the batch rows joined into one packed stream."""
+    return tuple(t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:]) for t in tensors)
+
+
 def _traced(q, k, v, group, comm, cp, position_ids, mask, kwargs, options):
     """The call while torch.compile traces the model: the library's operator (cp_softcap.compiled)
     with position_ids and a 2-D attention mask, which it reads inside, eagerly (packed rows from
@@ -282,8 +287,8 @@ def _traced(q, k, v, group, comm, cp, position_ids, mask, kwargs, options):
     sinks = options.pop("sinks")
     if cp == 1:
         cu, joined = _boundaries(b, sq, sk, position_ids, kwargs, traced=True)
-        if joined:                     # the rows joined into one packed stream
-            q, k, v = (t.reshape(1, b * t.shape[1], *t.shape[2:]) for t in (q, k, v))
+        if joined:
+            q, k, v = _join_rows(q, k, v)
         pos = position_ids if cu is None and sq == sk and sq >= 2 else None
         cu_k = kwargs.get("cu_seq_lens_k") if joined else None
         out, _ = compiled_attention(q, k, v, group_names_="", comm="ring", cu_seqlens=cu,

@@ -56,7 +56,7 @@ if int(transformers.__version__.split(".")[0]) < 5:
                       f"num_items_in_batch and parallelism hooks); found {transformers.__version__}. "
                       "pip install -U 'transformers>=5' accelerate")
 
-from ..documents import document_starts, packed_layout
+from ..documents import boundaries_from_positions, packed_layout
 from ..sharding import fits_zigzag, positions, shard
 from .hf import cp_softcap_attention, hf_window, mask_is_empty, use_cp_group
 
@@ -175,8 +175,8 @@ def _documents(batch: dict, b: int, s: int):
         pos = torch.as_tensor(pos).reshape(-1, s)
         if bool((pos == torch.arange(s, device=pos.device)).all()):
             return None     # plain positions, recomputed per shard
-        starts = document_starts(pos[:1])[0, 1:].nonzero().flatten() + 1
-        cu = [0] + starts.tolist() + [s]
+        found = boundaries_from_positions(pos[:1], 1)
+        cu = [0, s] if found is None else list(found)
     else:
         return None
     if b != 1 or cu[0] != 0 or cu[-1] != s:
